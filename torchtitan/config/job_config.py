@@ -1,0 +1,337 @@
+"""The job configuration: one typed dataclass per TOML section.
+
+The string literal under each field is that field's documentation: `--help` prints it, so this file is the
+user manual of every option. Key names follow torchtitan v0.2 so recipes and habits carry over.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class Job:
+    config_file: str | None = None
+    """TOML recipe to load (also settable as the first positional argument or `--job.config_file`)."""
+
+    dump_folder: str = "./outputs"
+    """Run folder: the resolved config, metrics.jsonl, TensorBoard logs and checkpoints are written under it."""
+
+    description: str = "torchtitan training job"
+    """Free text describing the job; logged at start."""
+
+    print_config: bool = False
+    """Print the resolved configuration at start (it is always saved to `{dump_folder}/config.toml`)."""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Registered model name (see torchtitan/train_spec.py); each model folder registers its own."""
+
+    flavor: str = "debugmodel"
+    """Size preset of the model, e.g. debugmodel, 8B, 70B, 405B for llama3."""
+
+    tokenizer_path: str | None = None
+    """Tokenizer file or folder: a tiktoken BPE file (Llama 3 format), a sentencepiece `.model`, a Hugging Face
+    `tokenizer.json`, or a folder holding one of them. None uses the tokenizer shipped with the project (trained
+    on the shipped stdlib_docs corpus)."""
+
+    converters: list[str] = field(default_factory=list)
+    """Model converters applied after building on the meta device, in order, e.g. ["float8"]."""
+
+    print_after_conversion: bool = False
+    """Print the model after converters ran."""
+
+
+@dataclass
+class Training:
+    dataset: str = "stdlib_docs"
+    """Dataset name: `stdlib_docs` (shipped, offline), `c4`, `c4_test`, `fineweb` (Hugging Face hub, streamed),
+    or `local` with `dataset_path` pointing to json/jsonl/parquet/txt files."""
+
+    dataset_path: str | None = None
+    """Local file, folder or glob for the dataset (overrides the hub path of a named dataset)."""
+
+    local_batch_size: int = 8
+    """Sequences per microbatch on each data-parallel rank."""
+
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all data-parallel ranks. -1 = local_batch_size x data-parallel degree
+    (no accumulation). Gradient accumulation steps = global / (local x data-parallel degree)."""
+
+    seq_len: int = 2048
+    """Tokens per training sequence."""
+
+    max_norm: float = 1.0
+    """Gradient clipping by global norm; 0 or less disables clipping (the norm is still logged)."""
+
+    steps: int = 10000
+    """Number of optimizer steps to train."""
+
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype the parameters are stored and updated in. bfloat16 = fully low-precision training."""
+
+    mixed_precision_param: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Compute dtype of parameters in forward/backward (FSDP mixed precision, autocast without FSDP).
+    float32 gives a pure fp32 run."""
+
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of gradient reduction across data-parallel ranks under FSDP."""
+
+    gc_freq: int = 50
+    """Run Python's garbage collector every N steps (automatic collection is disabled during training)."""
+
+    enable_cpu_offload: bool = False
+    """Offload parameters, gradients and optimizer state to CPU under FSDP (CUDA only)."""
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    """Evaluate loss and perplexity on the held-out split during training."""
+
+    freq: int = 100
+    """Validate every N steps (and at the last step)."""
+
+    steps: int = 10
+    """Validation batches per evaluation; -1 = the whole validation split."""
+
+    local_batch_size: int = 8
+    """Sequences per validation batch on each data-parallel rank."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    """Optimizer class."""
+
+    lr: float = 8e-4
+    """Peak learning rate."""
+
+    beta1: float = 0.9
+    """Adam beta1."""
+
+    beta2: float = 0.95
+    """Adam beta2."""
+
+    eps: float = 1e-8
+    """Adam epsilon."""
+
+    weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW) or L2 penalty (Adam)."""
+
+    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
+    """Optimizer kernel: for-loop, foreach (multi-tensor) or fused."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 200
+    """Steps of linear warmup from near zero to the peak learning rate."""
+
+    decay_ratio: float | None = None
+    """Warmup-stable-decay: the fraction of training spent decaying at the end. None = decay over all steps
+    after warmup (no stable phase)."""
+
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Shape of the decay phase."""
+
+    min_lr_factor: float = 0.0
+    """Final learning rate as a fraction of the peak."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """Replicas of the model (DDP; HSDP when combined with sharding)."""
+
+    data_parallel_shard_degree: int = -1
+    """Ranks each replica is sharded over with FSDP2. -1 = all ranks left after the other degrees."""
+
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free gathered parameters after forward: always (ZeRO-3 memory), never (ZeRO-2 speed), default = always
+    except for the last module, whose parameters backward needs at once."""
+
+    tensor_parallel_degree: int = 1
+    """Tensor parallel degree (with sequence parallel on norms)."""
+
+    disable_loss_parallel: bool = False
+    """Gather the logits instead of computing cross entropy on vocab shards under tensor parallel."""
+
+    pipeline_parallel_degree: int = 1
+    """Pipeline stages across ranks."""
+
+    pipeline_parallel_schedule: str = "1F1B"
+    """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble,
+    DualPipeV."""
+
+    pipeline_parallel_microbatch_size: int = 1
+    """Sequences per pipeline microbatch."""
+
+    pipeline_parallel_layers_per_stage: int | None = None
+    """Transformer layers per pipeline stage (None = split evenly by compute)."""
+
+    pipeline_parallel_first_stage_less_layers: int = 1
+    """Layers fewer on the first stage, which also holds the embedding."""
+
+    pipeline_parallel_last_stage_less_layers: int = 1
+    """Layers fewer on the last stage, which also holds the norm and output projection."""
+
+    module_fqns_per_model_part: list[list[str]] | None = None
+    """Explicit split: module names per stage, e.g. [["tok_embeddings", "layers.0"], ["layers.1", "norm",
+    "output"]]."""
+
+    context_parallel_degree: int = 1
+    """Ranks each sequence is split over (ring attention)."""
+
+    context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
+    """How key/value shards travel around the context-parallel ring."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save checkpoints and resume from the latest one in `{dump_folder}/{folder}`."""
+
+    folder: str = "checkpoint"
+    """Checkpoint folder under dump_folder."""
+
+    interval: int = 500
+    """Save every N steps (and at the last step)."""
+
+    load_step: int = -1
+    """Resume from this step instead of the latest (-1 = latest complete checkpoint)."""
+
+    keep_latest_k: int = 10
+    """Checkpoints kept; older ones are removed. 0 keeps all."""
+
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    """Save in the background: async, or async with pinned-memory staging (CUDA only)."""
+
+    last_save_model_only: bool = True
+    """At the last step save the model weights only (an export), in `export_dtype`."""
+
+    export_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the model-only export."""
+
+    initial_load_path: str | None = None
+    """Checkpoint to start from when the run folder has none (e.g. a seed checkpoint or a converted model)."""
+
+    initial_load_model_only: bool = True
+    """Load only model weights from initial_load_path."""
+
+    initial_load_in_hf: bool = False
+    """initial_load_path is a Hugging Face folder (config.json + *.safetensors)."""
+
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """State keys not to load when resuming, e.g. ["dataloader", "lr_scheduler"]."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log metrics every N steps."""
+
+    enable_tensorboard: bool = False
+    """Write TensorBoard scalars under `{dump_folder}/{save_tb_folder}`."""
+
+    save_tb_folder: str = "tb"
+    """TensorBoard folder under dump_folder."""
+
+    enable_wandb: bool = False
+    """Log to Weights & Biases (WANDB_MODE=offline works without a network)."""
+
+    rank_0_only: bool = True
+    """Only rank 0 prints and writes metrics."""
+
+    disable_color_printing: bool = False
+    """Plain console output."""
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Record torch.profiler traces."""
+
+    save_traces_folder: str = "profile_traces"
+    """Trace folder under dump_folder."""
+
+    profile_freq: int = 10
+    """Profile one step every N steps."""
+
+    enable_memory_snapshot: bool = False
+    """Dump CUDA memory snapshots (CUDA only)."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward: none, full (every block), selective (see selective_ac_option)."""
+
+    selective_ac_option: str = "op"
+    """Selective AC: an integer k checkpoints every k-th block; "op" saves matmul and attention outputs and
+    recomputes the cheap element-wise ops."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile the components listed in `components`."""
+
+    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    """What to compile: "model" (each transformer block) and/or "loss"."""
+
+
+@dataclass
+class Float8:
+    recipe_name: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """Float8 scaling: tensorwise dynamic or rowwise."""
+
+    enable_fsdp_float8_all_gather: bool = False
+    """All-gather FSDP parameters in float8 (tensorwise only)."""
+
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    """Compute float8 scales for all FSDP parameters in one kernel after the optimizer step."""
+
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    """Linear layers whose names contain one of these stay in high precision."""
+
+    emulate: bool = False
+    """Emulate float8 matmuls in high precision (for CPUs and older GPUs; slow, for correctness)."""
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = 300
+    """Timeout for the first collectives (process-group start-up, model building)."""
+
+    train_timeout_seconds: int = 100
+    """Timeout for collectives once training has started."""
+
+
+@dataclass
+class Debug:
+    seed: int | None = None
+    """Random seed for weights, dropout and data order. None = 0 for weights, with non-deterministic kernels."""
+
+    deterministic: bool = False
+    """Use deterministic algorithms (slower; for exact reproducibility)."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    validation: Validation = field(default_factory=Validation)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
+    comm: Comm = field(default_factory=Comm)
+    debug: Debug = field(default_factory=Debug)
