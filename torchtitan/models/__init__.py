@@ -1,0 +1,3 @@
+"""Model folders. Importing one registers its train spec; add yours here."""
+
+from torchtitan.models import llama3  # noqa: F401

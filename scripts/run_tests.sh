@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Installs what is missing, then runs the whole test suite (unit, multi-process, end-to-end).
+# Extra arguments go to pytest, e.g. scripts/run_tests.sh -m "not distributed and not e2e".
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/ensure_env.sh test
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
+exec "$PYTHON" -m pytest -q "$@"

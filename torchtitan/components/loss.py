@@ -1,0 +1,23 @@
+"""The training loss: summed token cross entropy.
+
+The trainer divides the sum by the number of label tokens in the whole global batch, so gradient
+accumulation, data-parallel sharding and context-parallel sequence sharding all leave the loss unchanged.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from torchtitan.config.job_config import JobConfig
+
+IGNORE_INDEX = -100
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    # fp32 for the softmax whatever the compute dtype: bf16 logsumexp over a large vocabulary loses bits.
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
+    )
+
+
+def build_cross_entropy_loss(job_config: JobConfig):
+    return cross_entropy_sum

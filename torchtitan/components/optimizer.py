@@ -1,0 +1,127 @@
+"""Optimizers for the model parts a rank holds, checkpointed by parameter name.
+
+Pipeline parallelism gives a rank several model parts (stages); each gets its own torch optimizer and the
+container steps them together. Its state dict is keyed by parameter FQN (through torch.distributed.checkpoint's
+flattened optimizer state dict), not by the optimizer's positional parameter ids, so a checkpoint written under
+one parallel layout (FSDP/TP DTensors, a different pipeline split) loads under another.
+"""
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from torchtitan.config.job_config import Optimizer as OptimizerConfig
+
+_OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
+    "AdamW": torch.optim.AdamW,
+    "Adam": torch.optim.Adam,
+}
+
+# Flattened keys look like "state.layers.0.attention.wq.weight.exp_avg": one namespace for all model parts.
+_STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class OptimizersContainer:
+    """One optimizer per model part, driven as one.
+
+    `optimizers` is public so the LR scheduler builder can wrap each optimizer; it also satisfies DCP's Stateful
+    protocol (state_dict / load_state_dict) so it can be placed directly in a checkpoint's state.
+    """
+
+    def __init__(self, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+        if len(model_parts) != len(optimizers):
+            raise ValueError(f"{len(model_parts)} model parts but {len(optimizers)} optimizers")
+        self.model_parts = model_parts
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The param groups of all optimizers, in model-part order (for reading or setting the LR)."""
+        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer state and hyperparameters of every part, merged, keyed by parameter FQN.
+
+        Note: on an optimizer that has not stepped yet, DCP first initialises its state with a zero-LR step, so
+        the state (e.g. Adam's step counter) differs from that of a never-touched optimizer.
+        """
+        merged: dict[str, Any] = {}
+        for model, optimizer in zip(self.model_parts, self.optimizers):
+            merged.update(get_optimizer_state_dict(model, optimizer, options=_STATE_DICT_OPTIONS))
+        return merged
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a merged state dict; each part picks the keys of its own parameters by FQN."""
+        for model, optimizer in zip(self.model_parts, self.optimizers):
+            set_optimizer_state_dict(model, optimizer, optim_state_dict=state_dict, options=_STATE_DICT_OPTIONS)
+
+
+def _implementation_flags(implementation: str) -> dict[str, bool]:
+    if implementation == "for-loop":
+        return {"foreach": False, "fused": False}
+    if implementation == "foreach":
+        return {"foreach": True, "fused": False}
+    if implementation == "fused":
+        return {"foreach": False, "fused": True}
+    raise ValueError(f"Unknown optimizer implementation {implementation!r}; use for-loop, foreach or fused")
+
+
+def _check_fused_supported(optimizer_class: type[torch.optim.Optimizer], params: list[torch.Tensor]) -> None:
+    """Fail at build time, with a clear message, where torch has no fused kernel for a parameter's device/dtype.
+
+    torch itself only notices at the first step, deep inside the training loop. A one-element probe step per
+    (device, dtype) asks torch directly instead of mirroring its private list of supported devices.
+    """
+    for device, dtype in {(p.device, p.dtype) for p in params}:
+        probe = torch.zeros(1, device=device, dtype=dtype, requires_grad=True)
+        probe.grad = torch.zeros_like(probe)
+        try:
+            optimizer_class([probe], fused=True).step()
+        except RuntimeError as e:
+            raise ValueError(
+                f"optimizer.implementation='fused' is not supported by torch {torch.__version__} for "
+                f"{dtype} parameters on {device.type}; use 'foreach' or 'for-loop'. ({e})"
+            ) from e
+
+
+def build_optimizers(model_parts: list[nn.Module], cfg: OptimizerConfig) -> OptimizersContainer:
+    """One `cfg.name` optimizer per model part, over all of its trainable parameters.
+
+    Weight decay applies to every parameter, norms and embeddings included, as in torchtitan's reference
+    recipes: exempting them changes the loss curves those recipes were tuned for.
+    """
+    if cfg.name not in _OPTIMIZER_CLASSES:
+        raise ValueError(f"Unknown optimizer {cfg.name!r}; choose one of {sorted(_OPTIMIZER_CLASSES)}")
+    optimizer_class = _OPTIMIZER_CLASSES[cfg.name]
+    make_optimizer = functools.partial(
+        optimizer_class,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        **_implementation_flags(cfg.implementation),
+    )
+    optimizers = []
+    for model in model_parts:
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError(f"Model part {type(model).__name__} has no trainable parameters")
+        if cfg.implementation == "fused":
+            _check_fused_supported(optimizer_class, params)
+        optimizers.append(make_optimizer(params))
+    return OptimizersContainer(model_parts, optimizers)

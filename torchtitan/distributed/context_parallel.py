@@ -1,0 +1,374 @@
+"""Context parallelism: causal ring attention over a load-balanced sequence shard.
+
+Layout. The sequence is cut into 2*cp equal chunks; rank r holds chunks r and 2*cp-1-r, concatenated in
+that order. With a causal mask, chunk i attends to chunks 0..i, so pairing an early chunk with a late one
+gives every rank the same amount of attention work.
+
+Because chunks are whole, any (query chunk a, key chunk b) pair is in one of three states: fully visible
+(a > b), diagonal-causal (a == b) or fully masked (a < b). Masked blocks are skipped outright; only the
+diagonal block needs an element mask.
+
+Math. Each block yields a partial output and the log-sum-exp (lse) of its scores; partials are merged with
+the online-softmax rule, so the result is exact softmax attention over all visible keys. Backward recomputes
+each block's probabilities from the final (out, lse), which makes per-block gradients sum to the exact
+full-attention gradients. All block math runs in fp32 with plain matmuls so it is correct on any device.
+
+Rotation. "allgather" gathers every rank's k/v once (simple; k/v saved for backward are O(S) per rank).
+"alltoall" passes k/v shards around a point-to-point ring, posting the next transfer before computing on the
+current shard so communication overlaps compute; only the local O(S/cp) shard is saved, and backward rotates
+k/v again while the k/v gradients travel with them and arrive home after one last hop.
+
+Grouped-query attention is handled by viewing q as [B, Hkv, group, S, D] and broadcasting k/v over the group
+dimension, so repeated k/v are never materialised nor sent.
+"""
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+RotateMethod = Literal["allgather", "alltoall"]
+_ROTATE_METHODS = ("allgather", "alltoall")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sequence sharding helpers
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _check_seq_len(seq_len: int, cp_size: int) -> int:
+    """Return the chunk length, or raise a ValueError that says what would work instead."""
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    n_chunks = 2 * cp_size
+    if seq_len <= 0 or seq_len % n_chunks != 0:
+        lower = seq_len // n_chunks * n_chunks
+        upper = lower + n_chunks
+        nearest = lower if lower > 0 and seq_len - lower < upper - seq_len else upper
+        raise ValueError(
+            f"context parallelism with cp_size={cp_size} splits the sequence into 2*cp_size={n_chunks} "
+            f"chunks, but seq_len={seq_len} is not a positive multiple of {n_chunks}; "
+            f"nearest valid seq_len is {nearest}"
+        )
+    return seq_len // n_chunks
+
+
+def _chunk_ids(cp_size: int, cp_rank: int) -> tuple[int, int]:
+    """Global chunk ids held by `cp_rank`, in local order."""
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def load_balanced_indices(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Global sequence positions held by `cp_rank`, in the order they appear in its local shard."""
+    chunk = _check_seq_len(seq_len, cp_size)
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in _chunk_ids(cp_size, cp_rank)])
+
+
+def shard_sequence(x: torch.Tensor, dim: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """This rank's load-balanced shard of `x` along `dim` (a copy, contiguous)."""
+    index = load_balanced_indices(x.shape[dim], cp_size, cp_rank).to(x.device)
+    return x.index_select(dim, index)
+
+
+def unshard_sequence(local_shards: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """Rebuild the full sequence from every rank's shard, given in cp-rank order."""
+    cp_size = len(local_shards)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp_size)
+    for rank, shard in enumerate(local_shards):
+        if shard.shape[dim] % 2 != 0:
+            raise ValueError(f"shard of rank {rank} has odd length {shard.shape[dim]} along dim {dim}")
+        first, second = shard.chunk(2, dim=dim)
+        head, tail = _chunk_ids(cp_size, rank)
+        chunks[head], chunks[tail] = first, second
+    return torch.cat(chunks, dim=dim)
+
+
+def gather_sequence(x: torch.Tensor, dim: int, cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """All-gather every rank's shard over `cp_group` and return the full sequence (no autograd)."""
+    shards = [torch.empty_like(x) for _ in range(dist.get_world_size(cp_group))]
+    dist.all_gather(shards, x.contiguous(), group=cp_group)
+    return unshard_sequence(shards, dim)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Blockwise attention (fp32, 5-D GQA layout: q [B, Hkv, G, Sq, D], k/v [B, Hkv, 1, Sk, D])
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> torch.Tensor:
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if diagonal:
+        # q and k are the same global chunk, so local index i may see local index j iff j <= i.
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1)
+        s = s.masked_fill(mask, float("-inf"))
+    return s
+
+
+def _block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    s = _scores(q, k, scale, diagonal)
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v)
+    return out, lse
+
+
+def _merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Fold a block's (out, lse) into the running accumulators in place (online softmax).
+
+    Every computed block has at least one visible key per row, so block_lse is finite and the first merge
+    into the (-inf, 0) initial state is well defined.
+    """
+    new_lse = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - new_lse).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
+    lse.copy_(new_lse)
+
+
+def _block_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    scale: float,
+    diagonal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block given the FINAL lse and delta = rowsum(dout * out) of the whole attention."""
+    p = torch.exp(_scores(q, k, scale, diagonal) - lse.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), dout).sum(dim=2, keepdim=True)
+    ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta.unsqueeze(-1))
+    dq = torch.matmul(ds, k) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q).sum(dim=2, keepdim=True) * scale
+    return dq, dk, dv
+
+
+def _visible_blocks(cp_size: int, q_rank: int, kv_rank: int) -> list[tuple[int, int, bool]]:
+    """(local q chunk, local kv chunk, is_diagonal) for every block that is not fully masked."""
+    blocks = []
+    for qi, q_chunk in enumerate(_chunk_ids(cp_size, q_rank)):
+        for ki, kv_chunk in enumerate(_chunk_ids(cp_size, kv_rank)):
+            if q_chunk >= kv_chunk:
+                blocks.append((qi, ki, q_chunk == kv_chunk))
+    return blocks
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Communication
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _Ring:
+    """Point-to-point shifts around the cp group: send to rank+1, receive from rank-1."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def shift(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start passing `t` on; return a function that waits and yields the tensor from the previous rank.
+
+        `t` must not be modified until the returned function has been called.
+        """
+        if self.size == 1:
+            return lambda: t
+        received = torch.empty_like(t)
+        ops = [
+            dist.P2POp(dist.isend, t, group=self.group, group_peer=(self.rank + 1) % self.size),
+            dist.P2POp(dist.irecv, received, group=self.group, group_peer=(self.rank - 1) % self.size),
+        ]
+        requests = dist.batch_isend_irecv(ops)
+
+        def wait() -> torch.Tensor:
+            for request in requests:
+                request.wait()
+            return received
+
+        return wait
+
+
+def _all_gather(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """[cp, *t.shape] stack of every rank's `t`."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return t.unsqueeze(0)
+    # Gathered as a concatenation along dim 0 (gloo rejects the stacked output form), then viewed as a stack.
+    out = t.new_empty((size * t.shape[0], *t.shape[1:]))
+    dist.all_gather_single(out, t.contiguous(), group=group)
+    return out.view(size, *t.shape)
+
+
+def _reduce_scatter(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum the [cp, ...] stacks over ranks and return this rank's slice."""
+    if t.shape[0] == 1:
+        return t[0]
+    out = t.new_empty(t.shape[1:])
+    dist.reduce_scatter_single(out, t.contiguous().flatten(0, 1), group=group)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ring attention
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _split_kv(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[2, B, Hkv, S, D] packed k/v (any dtype) -> fp32 k, v in 5-D layout [B, Hkv, 1, S, D]."""
+    kv = kv.float().unsqueeze(3)
+    return kv[0], kv[1]
+
+
+def _chunk(t: torch.Tensor, index: int, chunk_len: int) -> torch.Tensor:
+    """Local chunk `index` (0 or 1) of a 5-D layout tensor or of its per-row stats; the sequence is dim 3."""
+    return t.narrow(3, index * chunk_len, chunk_len)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        rotate_method: RotateMethod,
+    ) -> torch.Tensor:
+        ring = _Ring(group)
+        batch, hq, seq, dim = q.shape
+        hkv = k.shape[1]
+        chunk_len = seq // 2
+        scale = dim**-0.5
+        q5 = q.float().reshape(batch, hkv, hq // hkv, seq, dim)
+        # k and v travel as one packed buffer so each step is a single transfer.
+        kv = torch.stack([k, v])
+
+        out = torch.zeros_like(q5)
+        lse = torch.full(q5.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+
+        def accumulate(kv_rank: int, kv_shard: torch.Tensor) -> None:
+            k5, v5 = _split_kv(kv_shard)
+            for qi, ki, diagonal in _visible_blocks(ring.size, ring.rank, kv_rank):
+                block_out, block_lse = _block_forward(
+                    _chunk(q5, qi, chunk_len), _chunk(k5, ki, chunk_len), _chunk(v5, ki, chunk_len), scale, diagonal
+                )
+                _merge_(_chunk(out, qi, chunk_len), _chunk(lse, qi, chunk_len), block_out, block_lse)
+
+        if rotate_method == "allgather":
+            kv_saved = _all_gather(kv, group)
+            for kv_rank in range(ring.size):
+                accumulate(kv_rank, kv_saved[kv_rank])
+        else:
+            kv_saved = kv
+            current = kv
+            for step in range(ring.size):
+                # Post the next transfer first so it overlaps this step's compute.
+                wait = ring.shift(current) if step < ring.size - 1 else None
+                accumulate((ring.rank - step) % ring.size, current)
+                if wait is not None:
+                    current = wait()
+
+        out_q = out.reshape(batch, hq, seq, dim).to(q.dtype)
+        ctx.save_for_backward(q, kv_saved, out_q, lse)
+        ctx.group, ctx.rotate_method, ctx.hkv = group, rotate_method, hkv
+        return out_q
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):  # type: ignore[override]
+        q, kv_saved, out, lse = ctx.saved_tensors
+        ring = _Ring(ctx.group)
+        batch, hq, seq, dim = q.shape
+        hkv = ctx.hkv
+        chunk_len = seq // 2
+        scale = dim**-0.5
+        shape5 = (batch, hkv, hq // hkv, seq, dim)
+        q5 = q.float().reshape(shape5)
+        do5 = dout.float().reshape(shape5)
+        delta = (do5 * out.float().reshape(shape5)).sum(dim=-1)
+        dq5 = torch.zeros_like(q5)
+
+        def accumulate(kv_rank: int, kv_shard: torch.Tensor, dkv: torch.Tensor) -> None:
+            """Add this rank's contribution to dq and to the visiting shard's packed (dk, dv)."""
+            k5, v5 = _split_kv(kv_shard)
+            for qi, ki, diagonal in _visible_blocks(ring.size, ring.rank, kv_rank):
+                dq, dk, dv = _block_backward(
+                    _chunk(q5, qi, chunk_len),
+                    _chunk(k5, ki, chunk_len),
+                    _chunk(v5, ki, chunk_len),
+                    _chunk(do5, qi, chunk_len),
+                    _chunk(lse, qi, chunk_len),
+                    _chunk(delta, qi, chunk_len),
+                    scale,
+                    diagonal,
+                )
+                _chunk(dq5, qi, chunk_len).add_(dq)
+                dkv[0].narrow(-2, ki * chunk_len, chunk_len).add_(dk.squeeze(2))
+                dkv[1].narrow(-2, ki * chunk_len, chunk_len).add_(dv.squeeze(2))
+
+        if ctx.rotate_method == "allgather":
+            dkv_all = torch.zeros(kv_saved.shape, dtype=torch.float32, device=q.device)
+            for kv_rank in range(ring.size):
+                accumulate(kv_rank, kv_saved[kv_rank], dkv_all[kv_rank])
+            dkv = _reduce_scatter(dkv_all, ctx.group)
+        else:
+            # The (dk, dv) partial of each shard travels with it; after the last step it is one hop short of
+            # its owner, so a final shift delivers every rank its own complete gradient.
+            current = kv_saved
+            wait_dkv: Callable[[], torch.Tensor] | None = None
+            for step in range(ring.size):
+                wait_kv = ring.shift(current) if step < ring.size - 1 else None
+                if wait_dkv is None:
+                    dkv = torch.zeros(kv_saved.shape, dtype=torch.float32, device=q.device)
+                else:
+                    dkv = wait_dkv()
+                accumulate((ring.rank - step) % ring.size, current, dkv)
+                wait_dkv = ring.shift(dkv)
+                if wait_kv is not None:
+                    current = wait_kv()
+            dkv = wait_dkv()
+
+        dq = dq5.reshape(batch, hq, seq, dim).to(q.dtype)
+        return dq, dkv[0].to(kv_saved.dtype), dkv[1].to(kv_saved.dtype), None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp_group: dist.ProcessGroup | None = None,
+    rotate_method: RotateMethod = "alltoall",
+) -> torch.Tensor:
+    """Causal attention of load-balanced local shards q [B, Hq, S/cp, D], k/v [B, Hkv, S/cp, D].
+
+    Returns this rank's shard of the output, equal to full causal SDPA over the unsharded sequence.
+    """
+    if rotate_method not in _ROTATE_METHODS:
+        raise ValueError(f"rotate_method must be one of {_ROTATE_METHODS}, got {rotate_method!r}")
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        raise ValueError(f"expected q [B, Hq, S, D] and k/v [B, Hkv, S, D], got {q.shape}, {k.shape}, {v.shape}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"Hkv={k.shape[1]} must divide Hq={q.shape[1]}")
+    if q.shape[2] != k.shape[2] or q.shape[2] % 2 != 0:
+        raise ValueError(f"local q/k lengths must be equal and even (two chunks), got {q.shape[2]}, {k.shape[2]}")
+    return _RingAttention.apply(q, k, v, cp_group, rotate_method)
+
+
+class ContextParallelAttention(nn.Module):
+    """Drop-in `inner_attention(q, k, v)` for a model whose sequence is sharded with `shard_sequence`."""
+
+    def __init__(self, cp_group: dist.ProcessGroup | None = None, rotate_method: RotateMethod = "alltoall"):
+        super().__init__()
+        if rotate_method not in _ROTATE_METHODS:
+            raise ValueError(f"rotate_method must be one of {_ROTATE_METHODS}, got {rotate_method!r}")
+        self.cp_group = cp_group
+        self.rotate_method: RotateMethod = rotate_method
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ring_attention(q, k, v, self.cp_group, self.rotate_method)
+
+    def extra_repr(self) -> str:
+        return f"rotate_method={self.rotate_method!r}"

@@ -1,0 +1,63 @@
+"""Data parallelism with FSDP2: sharded (FSDP), hybrid (HSDP) and replicate-only (DDP).
+
+Replicate-only is FSDP2 over a (replicate=N, shard=1) mesh: full parameters on every rank, gradients
+all-reduced, the same mixed-precision policy and gradient semantics as FSDP.
+
+Gradients are SUMMED across data-parallel ranks (divide factor 1): the trainer already divides every
+rank's loss by the token count of the whole global batch, so a sum is the global mean.
+"""
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def _reshard_policy(policy: str, is_last: bool, pp_enabled: bool) -> bool:
+    if policy == "always":
+        return True
+    if policy == "never":
+        return False
+    # default: reshard everything but the last group, whose parameters backward needs immediately; under
+    # pipeline parallel microbatches interleave, so keeping parameters gathered costs memory for little gain.
+    return not is_last or pp_enabled
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: str = "default",
+    cpu_offload: bool = False,
+    pp_enabled: bool = False,
+) -> nn.Module:
+    """Shards each transformer block, the embedding, and norm+output as separate FSDP groups, then the root.
+
+    dp_mesh is 1-D for FSDP and 2-D (replicate, shard) for HSDP. The model must expose `layers` (a
+    ModuleDict) and may have `tok_embeddings`, `norm`, `output` (absent on pipeline stages).
+    """
+    if cpu_offload and dp_mesh.device_type != "cuda":
+        raise ValueError("--training.enable_cpu_offload needs CUDA devices (it offloads GPU memory to the host)")
+    kw = dict(
+        mesh=dp_mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        offload_policy=CPUOffloadPolicy() if cpu_offload else None,
+    )
+    if kw["offload_policy"] is None:
+        del kw["offload_policy"]
+    layers = list(model.layers.values())
+    if getattr(model, "tok_embeddings", None) is not None:
+        fully_shard(model.tok_embeddings, **kw, reshard_after_forward=_reshard_policy(reshard_after_forward, False, pp_enabled))
+    for i, block in enumerate(layers):
+        last = i == len(layers) - 1 and getattr(model, "output", None) is None
+        fully_shard(block, **kw, reshard_after_forward=_reshard_policy(reshard_after_forward, last, pp_enabled))
+    tail = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
+    if tail:
+        fully_shard(tail, **kw, reshard_after_forward=_reshard_policy(reshard_after_forward, True, pp_enabled))
+    fully_shard(model, **kw, reshard_after_forward=_reshard_policy(reshard_after_forward, True, pp_enabled))
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+    return model

@@ -1,0 +1,185 @@
+"""The parallel layout: degrees per named dimension, their validation, and the one world DeviceMesh.
+
+Mesh dimension order (outermost first): pp, dp_replicate, dp_shard, cp, tp. TP is innermost so its
+frequent collectives stay within a node; PP outermost because its point-to-point traffic is lightest.
+Flattened views the trainer uses:
+  dp          = dp_replicate x dp_shard        data loading: ranks that see different samples
+  dp_shard_cp = dp_shard x cp                  FSDP shards parameters over these
+  dp_cp       = dp_replicate x dp_shard x cp   loss and token-count reduction
+"""
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+class LayoutError(ValueError):
+    """An impossible parallel layout; the message names the numbers and a layout that would fit."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    world_size: int
+    _mesh: DeviceMesh | None = field(default=None, repr=False)
+    _flat: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        for name in ("dp_replicate", "cp", "tp", "pp"):
+            if getattr(self, name) < 1:
+                raise LayoutError(f"parallelism degree {name}={getattr(self, name)} must be >= 1")
+        if self.dp_shard == -1 or self.dp_shard == 0:
+            others = self.dp_replicate * self.cp * self.tp * self.pp
+            if self.world_size % others:
+                raise LayoutError(
+                    f"world size {self.world_size} is not divisible by replicate x cp x tp x pp = {others}; "
+                    f"choose degrees whose product divides {self.world_size}"
+                )
+            self.dp_shard = self.world_size // others
+        if self.dp_shard < 1:
+            raise LayoutError(f"data_parallel_shard_degree={self.dp_shard} must be >= 1 or -1")
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+        if product != self.world_size:
+            raise LayoutError(
+                f"parallel degrees multiply to {product} (replicate {self.dp_replicate} x shard {self.dp_shard} "
+                f"x cp {self.cp} x tp {self.tp} x pp {self.pp}) but the world size is {self.world_size}; "
+                f"set --parallelism.data_parallel_shard_degree -1 to use the ranks left over"
+            )
+
+    # ---- derived degrees -------------------------------------------------------------------------------
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """FSDP2 wraps the model: sharding over dp_shard x cp, or replicate-only data parallel."""
+        return self.dp_shard > 1 or self.cp > 1 or self.dp_replicate > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    # ---- validation against the model and data -----------------------------------------------------------
+    def check_model(self, *, n_heads: int, n_kv_heads: int, vocab_size: int, dim: int) -> None:
+        if self.tp > 1:
+            for what, n in (("attention heads", n_heads), ("kv heads", n_kv_heads), ("model dim", dim)):
+                if n % self.tp:
+                    fits = [d for d in _divisors(n) if d <= self.world_size and self.world_size % d == 0]
+                    raise LayoutError(
+                        f"tensor_parallel_degree {self.tp} does not divide the {what} ({n}); "
+                        f"degrees that fit: {fits}"
+                    )
+
+    def check_batch(self, *, seq_len: int, global_batch_size: int, local_batch_size: int) -> int:
+        """Validates sequence/batch divisibility; returns the gradient-accumulation steps."""
+        seq_div = (2 * self.cp if self.cp > 1 else 1) * self.tp
+        if seq_len % seq_div:
+            near = max(seq_div, seq_len // seq_div * seq_div)
+            raise LayoutError(
+                f"seq_len {seq_len} must be divisible by {seq_div} "
+                f"(2 x context_parallel_degree {self.cp} x tensor_parallel_degree {self.tp}); e.g. --training.seq_len {near}"
+            )
+        per_step = local_batch_size * self.dp
+        if global_batch_size % per_step:
+            near = max(per_step, global_batch_size // per_step * per_step)
+            raise LayoutError(
+                f"global_batch_size {global_batch_size} is not a multiple of local_batch_size {local_batch_size} x "
+                f"data-parallel degree {self.dp} = {per_step}; e.g. --training.global_batch_size {near}"
+            )
+        return global_batch_size // per_step
+
+    # ---- the mesh --------------------------------------------------------------------------------------
+    _FLAT = {
+        "dp": ("dp_replicate", "dp_shard"),
+        "dp_shard_cp": ("dp_shard", "cp"),
+        "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    }
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """One world mesh over the dimensions in use, plus the flattened views.
+
+        dp_shard stays in the mesh (possibly of size 1) whenever dp_replicate is used, so that HSDP and
+        replicate-only data parallel both get a 2-D (replicate, shard) mesh."""
+        use = {
+            "pp": self.pp > 1,
+            "dp_replicate": self.dp_replicate > 1,
+            "dp_shard": self.dp_shard > 1 or self.dp_replicate > 1,
+            "cp": self.cp > 1,
+            "tp": self.tp > 1,
+        }
+        names = tuple(n for n, on in use.items() if on) or ("dp_shard",)
+        shape = tuple(getattr(self, n) for n in names)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+            self._flat = {}
+            for flat, parts in self._FLAT.items():
+                present = tuple(p for p in parts if p in names)
+                if present:
+                    self._flat[flat] = mesh[present]._flatten(flat)
+        self._mesh = mesh
+        return mesh
+
+    @property
+    def world_mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            raise RuntimeError("build_mesh() has not been called")
+        return self._mesh
+
+    def submesh(self, name: str) -> DeviceMesh | None:
+        """The mesh of a named or flattened dimension; None when its degree is 1 (nothing to communicate)."""
+        mesh = self.world_mesh
+        m = self._flat.get(name) if name in self._FLAT else (mesh[name] if name in mesh.mesh_dim_names else None)
+        return m if m is not None and m.size() > 1 else None
+
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP2 shards over: 1-D (dp_shard x cp) for FSDP, 2-D (replicate, dp_shard x cp) for HSDP
+        and for replicate-only data parallel (shard size 1); None without data parallelism or cp."""
+        if self.dp_replicate > 1:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                return self.world_mesh[("dp_replicate", "dp_shard_cp")]
+        return self.submesh("dp_shard_cp")
+
+    def coordinate(self, name: str) -> tuple[int, int]:
+        """(rank within, size of) a named or flattened dimension; (0, 1) when the dimension is absent."""
+        m = self.submesh(name) if self._mesh is not None else None
+        return (0, 1) if m is None else (m.get_local_rank(), m.size())
+
+
+def parallel_dims_from_config(p, world_size: int) -> ParallelDims:
+    return ParallelDims(
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        cp=p.context_parallel_degree,
+        tp=p.tensor_parallel_degree,
+        pp=p.pipeline_parallel_degree,
+        world_size=world_size,
+    )
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,84 @@
+"""Process-group start-up, seeding and the global gradient norm."""
+
+import math
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from torchtitan.config.job_config import Comm, Debug
+
+
+def init_distributed(comm: Comm) -> tuple[torch.device, int, int]:
+    """Joins the process group torchrun describes (none when run as one plain process).
+
+    Returns (device, rank, world_size). cuda+nccl when GPUs are visible, cpu+gloo otherwise.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=comm.init_timeout_seconds))
+    return device, rank, world_size
+
+
+def set_pg_timeout(seconds: int) -> None:
+    """After start-up, collectives get the (usually shorter) training timeout so a hung rank fails fast."""
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return  # gloo process groups cannot change their timeout after creation
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timedelta(seconds=seconds), None)
+
+
+def set_determinism(debug: Debug, device: torch.device) -> int:
+    """Seeds every RNG the same on all ranks; returns the seed. Deterministic kernels when asked for."""
+    seed = 0 if debug.seed is None else debug.seed
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed_all(seed)
+    if debug.deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    return seed
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters,
+    max_norm: float,
+    *,
+    pp_group: dist.ProcessGroup | None = None,
+    norm_type: float = 2.0,
+) -> torch.Tensor:
+    """Clips gradients by their true global norm and returns that norm (before clipping).
+
+    Under FSDP/TP the gradients are DTensors; their norm is reduced over every mesh dimension they span by
+    `full_tensor()`. Pipeline stages hold disjoint parameters, so their squared norms are summed across the
+    pipeline group. max_norm <= 0 only measures.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite=False, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if pp_group is not None:
+        if math.isinf(norm_type):
+            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=pp_group)
+        else:
+            norm = norm**norm_type
+            dist.all_reduce(norm, group=pp_group)
+            norm = norm ** (1.0 / norm_type)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+    return norm

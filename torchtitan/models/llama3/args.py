@@ -1,0 +1,60 @@
+"""Shape of a Llama 3 / 3.1 model: one dataclass, plus the FLOP count derived from it."""
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass
+class RopeScalingArgs:
+    """Llama 3.1 RoPE frequency scaling: long wavelengths are slowed by `factor`, short ones kept,
+    and the band in between is blended, so a model trained at 8k positions extends to 128k."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class TransformerModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None = n_heads (plain multi-head attention)
+    vocab_size: int = 128256
+    multiple_of: int = 256  # the FFN hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None
+    # Explicit FFN hidden size; overrides the multiple_of/ffn_dim_multiplier recipe. Set when importing
+    # a Hugging Face config, which only records the final `intermediate_size`.
+    ffn_hidden_dim: int | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScalingArgs | None = None
+    max_seq_len: int = 2048  # rows of the RoPE cache: the largest position the model can be given is max_seq_len-1
+    # Output projections of layer i are initialised with std 0.02/sqrt(2(i+1)) rather than 0.02/sqrt(2 n_layers).
+    depth_init: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """SwiGLU hidden size, computed the way Meta's reference does: 2/3 of 4*dim (so the three SwiGLU
+        matrices cost what two 4*dim matrices would), scaled, then rounded up to `multiple_of`."""
+        if self.ffn_hidden_dim is not None:
+            return self.ffn_hidden_dim
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    def flops_per_token(self, num_non_embedding_params: int, seq_len: int) -> int:
+        """Training FLOPs (forward + backward) per token: 6 per matmul parameter (2 forward, 4 backward)
+        plus the attention score and value matmuls, which have no parameters: 2 matmuls x 2 FLOPs x 3
+        (fwd+bwd) x n_layers x n_heads x head_dim x seq_len. The causal half is not discounted."""
+        return 6 * num_non_embedding_params + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len

@@ -1,0 +1,35 @@
+"""Checks a job before the launcher starts any rank: the recipe, the model, the tokenizer, the layout.
+
+    python -m torchtitan.preflight --world-size 8 --job.config_file recipe.toml [--section.key value ...]
+
+Prints one line naming the problem and exits non-zero on bad input; prints nothing and exits 0 otherwise.
+"""
+
+import os
+import sys
+
+from torchtitan.config import ConfigError, ConfigManager
+
+
+def main(argv: list[str]) -> int:
+    world_size = 1
+    if argv[:1] == ["--world-size"]:
+        world_size, argv = int(argv[1]), argv[2:]
+    nnodes = int(os.environ.get("NNODES", "1"))
+    try:
+        cfg = ConfigManager().parse_args(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from torchtitan.train import USER_ERRORS, plan_job
+
+    try:
+        plan_job(cfg, world_size * nnodes)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
