@@ -181,24 +181,31 @@ class Trainer:
         )
 
     def _init_weights(self, seed: int) -> None:
-        """Same initial weights whatever the layout: from a seed/initial checkpoint when one is given, else
-        from the model's own init. On CPU a sharded random init would draw the same numbers on every rank
-        (duplicated shards), so there the full model is initialised once per rank and each rank keeps its
-        shards; on CUDA DTensor's offset-tracked RNG initialises shards in place."""
+        """Same initial weights whatever the layout: from a seed/initial checkpoint when one is given (the
+        checkpoint manager loads it before training), else from the model's own init under `seed`.
+
+        On CPU a sharded random init would draw the same numbers on every rank (duplicated shards), so there
+        each rank initialises the full model once and keeps its shards. On CUDA, DTensor's offset-tracked RNG
+        initialises shards in place (distinct, but not bit-equal across layouts: use a seed checkpoint)."""
         for m in self.model_parts:
             m.to_empty(device=self.device)
-            with torch.no_grad():
-                m.init_weights(buffer_device=self.device)
-        if self.cfg.checkpoint.initial_load_path or ckpt.has_checkpoint(self.cfg):
-            return  # the checkpoint manager loads the weights before training starts
-        if self.world_size > 1 and self.device.type == "cpu":
+        from_checkpoint = bool(self.cfg.checkpoint.initial_load_path) or ckpt.has_checkpoint(self.cfg)
+        full_init = not from_checkpoint and self.world_size > 1 and self.device.type == "cpu"
+        if not full_init:
             torch.manual_seed(seed)
-            full = self.spec.model_cls(self.model_args)
+        for m in self.model_parts:
+            with torch.no_grad():
+                m.init_weights(buffer_device=self.device)  # also builds derived buffers (e.g. RoPE tables)
+        if full_init:
+            with torch.device("meta"):
+                full = self.spec.model_cls(self.model_args)
+            full.to_empty(device="cpu")
+            torch.manual_seed(seed)
             with torch.no_grad():
                 full.init_weights(buffer_device=None)
             ckpt.load_full_state_dict(self.model_parts, full.state_dict())
             del full
-        torch.manual_seed(seed)  # the data/dropout RNG does not depend on how much init consumed
+        torch.manual_seed(seed)  # later randomness does not depend on how much the init consumed
 
     def _scaled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Token-loss sum over the global token count of the step (set before each step)."""
@@ -244,6 +251,7 @@ class Trainer:
             self.cfg.training.max_norm,
             pp_group=self.parallel_dims.submesh("pp").get_group() if self.parallel_dims.pp_enabled else None,
         )
+        self._step_lr = self.optimizers.param_groups[0]["lr"]  # the LR this step trained with
         self.optimizers.step()
         self.lr_schedulers.step()
         self.optimizers.zero_grad()
@@ -303,7 +311,7 @@ class Trainer:
         gc.collect()
         tokens_per_step = self.global_batch_size * cfg.training.seq_len
         window_start, window_tokens, data_time = time.perf_counter(), 0, 0.0
-        self.memory.reset_peak()
+        self.memory.reset_peak_stats()
         profiler = self._profiler()
         logger.info(
             f"Training {cfg.training.steps} steps: global batch {self.global_batch_size} x seq {cfg.training.seq_len}, "
@@ -337,7 +345,7 @@ class Trainer:
                     metrics = {
                         "loss": global_loss.item(),
                         "grad_norm": grad_norm.item(),
-                        "lr": self.lr_schedulers.get_last_lr()[0],
+                        "lr": self._step_lr,
                         **throughput_metrics(
                             tokens=window_tokens / self.world_size,
                             seconds=elapsed,
@@ -350,7 +358,7 @@ class Trainer:
                     }
                     self.metrics.log(step, metrics)
                     window_start, window_tokens, data_time = time.perf_counter(), 0, 0.0
-                    self.memory.reset_peak()
+                    self.memory.reset_peak_stats()
                 if cfg.validation.enable and (step % cfg.validation.freq == 0 or last):
                     self.validate(step)
                 self.checkpointer.save(step, last=last)

@@ -100,7 +100,7 @@ def _compare_with_reference(rank: int, world_size: int, rotate_method: str) -> d
         out.backward(shard_sequence(dout, SEQ_DIM, world_size, rank))
 
         results = {
-            "out": (gather_sequence(out.detach(), SEQ_DIM), ref),
+            "out": (gather_sequence(out.detach(), SEQ_DIM), ref.detach()),
             **{
                 f"d{name}": (gather_sequence(t.grad, SEQ_DIM), full.grad)
                 for name, t, full in zip("qkv", local, (q, k, v))

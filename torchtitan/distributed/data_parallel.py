@@ -60,4 +60,6 @@ def apply_fsdp(
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
+            # Plain SUM collectives: gloo has no PREMUL_SUM, and NCCL's zero-copy path needs SUM too.
+            m.set_force_sum_reduction_for_comms(True)
     return model

@@ -1,0 +1,89 @@
+"""2D parallelism changes memory and speed, never the numbers.
+
+Every layout trains the same tiny fp32 model from the same initial weights on the same global batches
+(8 sequences x 64 tokens per step, 10 steps) and must log the same per-step loss and pre-clipping grad
+norm as one process. Tolerance: 1e-5 relative. Why that is tight enough and loose enough: fp32 has a
+7-digit mantissa; sharding only reorders sums (reduce-scatter vs. local accumulation, sharded vocab
+softmax), which moves results by a few ulps (~1e-7 relative) per step; Adam's normalised update keeps
+this from growing much over 10 steps. A real bug (a missing gradient sync, a wrong divide factor,
+duplicated shards, a wrong batch slice) moves the loss by 1e-3 or more.
+"""
+
+import pytest
+import torch
+
+from tests.distributed.trainer_runs import curves, train
+
+pytestmark = pytest.mark.distributed
+
+RTOL = 1e-5
+
+# name: (world size, layout arguments). local_batch_size is chosen so several layouts also accumulate.
+LAYOUTS = {
+    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"]),
+    "fsdp4": (4, ["--parallelism.data_parallel_shard_degree", "4", "--training.local_batch_size", "2"]),
+    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2",
+                    "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"]),
+    "ddp2": (2, ["--parallelism.data_parallel_replicate_degree", "2",
+                 "--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "4"]),
+    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]),
+    "tp2_fsdp2": (4, ["--parallelism.tensor_parallel_degree", "2",
+                      "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    # One process, 2 microbatches of 4: accumulation is part of the reference.
+    steps, _ = train(1, ["--training.local_batch_size", "4"], str(tmp_path_factory.mktemp("single")))
+    assert len(steps) == 10
+    return curves(steps)
+
+
+def assert_parity(got, ref, rtol=RTOL):
+    loss, gnorm = got
+    ref_loss, ref_gnorm = ref
+    assert loss.shape == ref_loss.shape
+    torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=0)
+    torch.testing.assert_close(gnorm, ref_gnorm, rtol=rtol, atol=0)
+
+
+def test_reference_learns(reference):
+    loss, _ = reference
+    assert loss[-1] < loss[0] - 0.5, f"the tiny model should learn in 10 steps: {loss.tolist()}"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_single_process(layout, reference, tmp_path):
+    world, argv = LAYOUTS[layout]
+    steps, _ = train(world, argv, str(tmp_path))
+    assert_parity(curves(steps), reference)
+
+
+def _fsdp_that_averages(rank, world_size):
+    """Breaks FSDP on purpose: gradients averaged instead of summed (the classic 1/N bug)."""
+    import torchtitan.distributed.data_parallel as dp
+
+    real = dp.apply_fsdp
+
+    def broken(*args, **kwargs):
+        model = real(*args, **kwargs)
+        for m in model.modules():
+            if isinstance(m, dp.FSDPModule):
+                m.set_gradient_divide_factor(float(world_size))
+        return model
+
+    dp.apply_fsdp = broken
+    import torchtitan.models.llama3.parallelize as par
+
+    par.apply_fsdp = broken
+
+
+def test_parity_check_catches_broken_sharding(reference, tmp_path):
+    """The parity test has teeth: FSDP 2 with averaged gradients must fail it."""
+    from tests.distributed import trainer_runs
+
+    world, argv = LAYOUTS["fsdp2"]
+    steps, _ = trainer_runs.train(world, argv, str(tmp_path), setup=_fsdp_that_averages)
+    with pytest.raises(AssertionError):
+        assert_parity(curves(steps), reference)

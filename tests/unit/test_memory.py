@@ -1,0 +1,21 @@
+import torch
+
+from torchtitan.tools.memory import MemoryMonitor
+
+
+def test_cpu_reports_process_rss():
+    monitor = MemoryMonitor(torch.device("cpu"))
+    before = monitor.get_peak_stats()
+    assert set(before) <= {"memory/peak_rss_gib", "memory/current_rss_gib"}
+    assert before["memory/peak_rss_gib"] > 0.01  # a Python process with torch holds far more than 10 MiB
+    if "memory/current_rss_gib" in before:
+        assert 0 < before["memory/current_rss_gib"] <= before["memory/peak_rss_gib"] + 1e-3
+
+    block = torch.ones(64 * 1024 * 1024, dtype=torch.uint8)  # touch 64 MiB
+    after = monitor.get_peak_stats()
+    assert after["memory/peak_rss_gib"] >= before["memory/peak_rss_gib"]
+    if "memory/current_rss_gib" in after:
+        assert after["memory/current_rss_gib"] > before["memory/current_rss_gib"] + 0.03
+    del block
+    monitor.reset_peak_stats()
+    assert "RSS" in monitor.describe()
