@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from torchtitan.components import checkpoint as ckpt
 from torchtitan.components.lr_scheduler import build_lr_schedulers
@@ -33,6 +34,12 @@ from torchtitan.tools.params import count_params
 from torchtitan.train_spec import TrainSpec, get_flavor, get_train_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _value(loss: torch.Tensor) -> torch.Tensor:
+    """A detached plain tensor of a loss (under loss parallel the loss is a replicated DTensor)."""
+    loss = loss.detach()
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 class TrainingError(RuntimeError):
@@ -245,7 +252,7 @@ class Trainer:
                 logits = self.model_parts[0](inputs)
                 loss = self._scaled_loss(logits, labels)
                 loss.backward()
-            loss_sum += loss.detach()
+            loss_sum += _value(loss)
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()],
             self.cfg.training.max_norm,
@@ -292,7 +299,7 @@ class Trainer:
                 loss_sum += run_pipeline_eval(self, inputs, labels)
             else:
                 with self.autocast, self._loss_context():
-                    loss_sum += self.loss_fn(self.model_parts[0](inputs), labels).float()
+                    loss_sum += _value(self.loss_fn(self.model_parts[0](inputs), labels))
             tokens += (labels != IGNORE_INDEX).sum()
         for m in self.model_parts:
             m.train()

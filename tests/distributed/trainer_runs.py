@@ -17,7 +17,7 @@ PARITY_ARGS = [
     "--training.global_batch_size", "8",
     "--training.steps", "10",
     "--training.mixed_precision_param", "float32",
-    "--optimizer.lr", "3e-3",
+    "--optimizer.lr", "3e-2",
     "--lr_scheduler.warmup_steps", "2",
     "--metrics.log_freq", "1",
     "--debug.seed", "7",

@@ -72,8 +72,11 @@ class Attention(nn.Module):
             _trunc_normal(w.weight, 0.02)
         _trunc_normal(self.wo.weight, out_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         bs, seqlen, _ = x.shape
+        # Rows are gathered here, where the sequence is whole again: under sequence parallel the block input
+        # is a sequence shard, and the attention input is the all-gathered sequence.
+        rope = rope_cache[positions] if positions is not None else rope_cache[:seqlen]
         # Head counts come from the projections' (possibly tensor-parallel-local) widths, hence -1.
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
@@ -118,8 +121,8 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(self.out_init_std)
         self.feed_forward.init_weights(self.out_init_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache, positions)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -133,6 +136,9 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Non-persistent: derived from args, so never checkpointed; init_weights recomputes it after to_empty.
         self.register_buffer("rope_cache", self._rope_cache(), persistent=False)
+        # True positions of the tokens this rank holds when they are not 0..S-1 for every batch, e.g. the
+        # load-balanced slice of context parallel; set by the parallelizer, used when forward gets none.
+        self.fixed_positions: torch.Tensor | None = None
 
     def _rope_cache(self) -> torch.Tensor:
         a = self.model_args
@@ -161,10 +167,9 @@ class Transformer(nn.Module):
         a non-contiguous slice); None = 0..S-1. Returns logits, or hidden states on a stage without output."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
-            positions = torch.arange(h.shape[1], device=h.device)
-        rope = self.rope_cache[positions]
+            positions = self.fixed_positions
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, self.rope_cache, positions)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -68,7 +68,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> N
             {
                 "attention_norm": SequenceParallel(),
                 "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
                 ),
                 "attention.wq": ColwiseParallel(),
                 "attention.wk": ColwiseParallel(),
