@@ -84,12 +84,8 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
         flavor, vocab_size=tokenizer.vocab_size, max_seq_len=max(flavor.max_seq_len, cfg.training.seq_len)
     )
     pd = parallel_dims_from_config(cfg.parallelism, world_size)
-    pd.check_model(
-        n_heads=model_args.n_heads,
-        n_kv_heads=model_args.n_kv_heads or model_args.n_heads,
-        vocab_size=model_args.vocab_size,
-        dim=model_args.dim,
-    )
+    # Shape fields a model may not have (a toy model without attention) are simply not checked.
+    pd.check_model({k: getattr(model_args, k) for k in ("n_heads", "n_kv_heads", "dim", "vocab_size") if getattr(model_args, k, None)})
     t = cfg.training
     global_bs = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * pd.dp
     accum = pd.check_batch(seq_len=t.seq_len, global_batch_size=global_bs, local_batch_size=t.local_batch_size)

@@ -83,13 +83,14 @@ class ParallelDims:
         return self.cp > 1
 
     # ---- validation against the model and data -----------------------------------------------------------
-    def check_model(self, *, n_heads: int, n_kv_heads: int, vocab_size: int, dim: int) -> None:
+    def check_model(self, shape: dict[str, int]) -> None:
+        """Tensor parallel splits heads, kv heads and the model dim: each must divide by the TP degree."""
         if self.tp > 1:
-            for what, n in (("attention heads", n_heads), ("kv heads", n_kv_heads), ("model dim", dim)):
+            for what, n in shape.items():
                 if n % self.tp:
                     fits = [d for d in _divisors(n) if d <= self.world_size and self.world_size % d == 0]
                     raise LayoutError(
-                        f"tensor_parallel_degree {self.tp} does not divide the {what} ({n}); "
+                        f"tensor_parallel_degree {self.tp} does not divide the model's {what} ({n}); "
                         f"degrees that fit: {fits}"
                     )
 

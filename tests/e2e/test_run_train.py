@@ -1,0 +1,64 @@
+"""The real entry point, as a user runs it: ./run_train.sh (torchrun), read back the run folder and exit code."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.e2e
+
+
+def run(args, *, ngpu=1, env_extra=None, timeout=600):
+    env = dict(os.environ, NGPU=str(ngpu), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline")
+    env.update(env_extra or {})
+    return subprocess.run(
+        ["./run_train.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_two_process_cpu_run_trains_and_writes_its_run_folder(tmp_path):
+    dump = tmp_path / "run"
+    p = run(
+        ["--job.dump_folder", str(dump), "--training.steps", "30", "--training.seq_len", "128",
+         "--training.local_batch_size", "4", "--metrics.log_freq", "5", "--validation.freq", "30",
+         "--metrics.enable_tensorboard"],
+        ngpu=2,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    lines = [json.loads(x) for x in (dump / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in lines if "loss" in m]
+    assert [m["step"] for m in train] == [1, 5, 10, 15, 20, 25, 30]
+    assert train[-1]["loss"] < train[0]["loss"] - 1.0, [m["loss"] for m in train]
+    assert all(0 < m["mfu"] < 100 for m in train[1:])
+    val = [m for m in lines if "validation/loss" in m]
+    assert len(val) == 1 and val[0]["step"] == 30
+    assert (dump / "config.toml").read_text().count("steps = 30") == 1
+    assert any((dump / "tb").rglob("events.out.tfevents.*"))
+
+
+@pytest.mark.parametrize(
+    "args,exit_code,message",
+    [
+        (["--training.stepz", "3"], 2, "unknown option --training.stepz; did you mean --training.steps?"),
+        (["--training.steps", "ten"], 2, "--training.steps expects an int, got 'ten'"),
+        (["--model.flavor", "debugmodle"], 1, "unknown flavor 'debugmodle'"),
+        (["--parallelism.tensor_parallel_degree", "3"], 1, "world size 1 is not divisible"),
+        (["--model.tokenizer_path", "/nonexistent/tok.model"], 1, "/nonexistent/tok.model"),
+    ],
+)
+def test_bad_input_gets_one_clear_line(tmp_path, args, exit_code, message):
+    p = run(["--job.dump_folder", str(tmp_path / "bad"), *args], ngpu=1, timeout=120)
+    assert p.returncode == exit_code, p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], p.stderr
+    assert "Traceback" not in p.stderr
+    assert not (tmp_path / "bad").exists()  # rejected before anything was written
+
+
+def test_help_lists_options():
+    p = run(["--help"], timeout=120)
+    assert p.returncode == 0
+    assert "--training.mixed_precision_param" in p.stdout and "--parallelism.data_parallel_shard_degree" in p.stdout
