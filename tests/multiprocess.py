@@ -5,10 +5,12 @@ that joins a gloo group on 127.0.0.1 at a free port, runs `fn(rank, world_size, 
 return value (picklable) back. A failure on any rank fails the call with that rank's traceback.
 """
 
+import io
 import os
 import socket
 import traceback
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -35,7 +37,11 @@ def _worker(rank, world_size, port, fn, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # As bytes: tensors sent through the queue would live in shared memory owned by this process,
+        # which exits before the parent reads them.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # report every failure, including assertion errors, to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -59,7 +65,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 600.0) -> list:
         for _ in range(world_size):
             rank, status, payload = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break  # the other ranks are likely stuck in a collective; stop waiting for them

@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -196,8 +197,10 @@ class Trainer:
         full_init = not from_checkpoint and self.world_size > 1 and self.device.type == "cpu"
         if not full_init:
             torch.manual_seed(seed)
-        for m in self.model_parts:
-            with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            # On CPU, DTensor warns that its random ops are not layout-aware; full_init below handles that.
+            warnings.filterwarnings("ignore", message="DTensor random operators")
+            for m in self.model_parts:
                 m.init_weights(buffer_device=self.device)  # also builds derived buffers (e.g. RoPE tables)
         if full_init:
             with torch.device("meta"):

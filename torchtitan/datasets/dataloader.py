@@ -1,5 +1,7 @@
 """The stateful data loader the trainer iterates: microbatches of this rank's slice of each global batch."""
 
+import warnings
+
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.components.tokenizer import Tokenizer
@@ -36,4 +38,6 @@ def build_text_dataloader(
         dp_degree=dp_degree,
         infinite=infinite,
     )
-    return StatefulDataLoader(ds, batch_size=local_batch_size, num_workers=0, drop_last=True)
+    with warnings.catch_warnings():  # torchdata calls a deprecated torch hook on construction; harmless
+        warnings.filterwarnings("ignore", message=".*set_vital.*")
+        return StatefulDataLoader(ds, batch_size=local_batch_size, num_workers=0, drop_last=True)

@@ -73,3 +73,26 @@ class MemoryMonitor:
         """Start a new window for the CUDA peaks (the CPU's peak RSS cannot be reset: it is lifetime-only)."""
         if self.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def local_state_bytes(model_parts, optimizers) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state this rank actually holds (local shards of
+    DTensors), the measure of what FSDP saves. Gradients count where they exist (between backward and
+    zero_grad)."""
+    from torch.distributed.tensor import DTensor
+
+    def nbytes(t) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    params = [p for m in model_parts for p in m.parameters()]
+    out = {
+        "params": sum(nbytes(p) for p in params),
+        "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(
+            nbytes(v) for opt in optimizers.optimizers for st in opt.state.values() for v in st.values()
+            if isinstance(v, torch.Tensor)
+        ),
+    }
+    out["total"] = sum(out.values())
+    return out
