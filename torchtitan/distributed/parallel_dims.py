@@ -35,9 +35,11 @@ class ParallelDims:
     _flat: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
-        for name in ("dp_replicate", "cp", "tp", "pp"):
+        keys = {"dp_replicate": "data_parallel_replicate_degree", "cp": "context_parallel_degree",
+                "tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree"}
+        for name, key in keys.items():
             if getattr(self, name) < 1:
-                raise LayoutError(f"parallelism degree {name}={getattr(self, name)} must be >= 1")
+                raise LayoutError(f"--parallelism.{key} {getattr(self, name)} must be >= 1")
         if self.dp_shard == -1 or self.dp_shard == 0:
             others = self.dp_replicate * self.cp * self.tp * self.pp
             if self.world_size % others:
