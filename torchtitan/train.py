@@ -25,13 +25,14 @@ from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.metrics import MetricsLogger, throughput_metrics
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
-from torchtitan.config.manager import save_config
+from torchtitan.config.manager import save_config, to_toml
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims, parallel_dims_from_config
 from torchtitan.tools.device_peak import peak_flops
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.memory import MemoryMonitor
 from torchtitan.tools.params import count_params
+from torchtitan.tools.profiling import Profiler
 from torchtitan.train_spec import TrainSpec, get_flavor, get_train_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -104,6 +105,8 @@ class Trainer:
         if self.rank == 0:
             os.makedirs(cfg.job.dump_folder, exist_ok=True)
             save_config(cfg, os.path.join(cfg.job.dump_folder, "config.toml"))
+            if cfg.job.print_config:
+                logger.info(f"Resolved configuration:\n{to_toml(cfg)}")
 
         # ---- what to train ---------------------------------------------------------------------------
         plan = plan_job(cfg, self.world_size)
@@ -318,12 +321,12 @@ class Trainer:
         tokens_per_step = self.global_batch_size * cfg.training.seq_len
         window_start, window_tokens, data_time = time.perf_counter(), 0, 0.0
         self.memory.reset_peak_stats()
-        profiler = self._profiler()
+        profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.rank, self.device)
         logger.info(
             f"Training {cfg.training.steps} steps: global batch {self.global_batch_size} x seq {cfg.training.seq_len}, "
             f"{self.grad_accum} microbatch(es) per rank, layout {self.parallel_dims}"
         )
-        with profiler or contextlib.nullcontext():
+        with profiler:
             while self.train_state.step < cfg.training.steps:
                 step = self.train_state.step + 1
                 if step % cfg.training.gc_freq == 0:
@@ -368,25 +371,9 @@ class Trainer:
                 if cfg.validation.enable and (step % cfg.validation.freq == 0 or last):
                     self.validate(step)
                 self.checkpointer.save(step, last=last)
-                if profiler is not None:
-                    profiler.step()
+                profiler.step(step)
         gc.enable()
         logger.info("Training finished")
-
-    def _profiler(self):
-        p = self.cfg.profiling
-        if not p.enable_profiling:
-            return None
-        folder = os.path.join(self.cfg.job.dump_folder, p.save_traces_folder)
-        os.makedirs(folder, exist_ok=True)
-
-        def on_trace(prof):
-            prof.export_chrome_trace(os.path.join(folder, f"rank{self.rank}_step{self.train_state.step}.json"))
-
-        return torch.profiler.profile(
-            schedule=torch.profiler.schedule(wait=max(p.profile_freq - 2, 0), warmup=1, active=1, repeat=0),
-            on_trace_ready=on_trace,
-        )
 
     def close(self) -> None:
         self.checkpointer.close()

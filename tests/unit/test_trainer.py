@@ -113,3 +113,14 @@ def test_validation_logs_loss_and_perplexity(tmp_path, monkeypatch):
     assert [m["step"] for m in val] == [2, 4]
     for m in val:
         assert m["validation/perplexity"] == pytest.approx(torch.tensor(m["validation/loss"]).exp().item(), rel=1e-6)
+
+
+def test_profiler_writes_a_trace_and_memory_snapshot_needs_cuda(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(TINY + ["--training.steps", "3", "--profiling.enable_profiling", "--profiling.profile_freq", "3",
+                        "--job.dump_folder", str(tmp_path / "prof")]) == 0
+    assert [p.name for p in (tmp_path / "prof" / "profile_traces").iterdir()] == ["rank0_step3.json"]
+    if not torch.cuda.is_available():
+        assert main(TINY + ["--training.steps", "1", "--profiling.enable_memory_snapshot",
+                            "--job.dump_folder", str(tmp_path / "snap")]) == 1
+        assert "enable_memory_snapshot" in capsys.readouterr().err
