@@ -93,7 +93,18 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
     accum = pd.check_batch(seq_len=t.seq_len, global_batch_size=global_bs, local_batch_size=t.local_batch_size)
     if pd.pp_enabled and spec.pipelining_fn is None:
         raise LayoutError(f"model {cfg.model.name} does not support pipeline parallel")
+    _check_device_features(cfg)
     return JobPlan(spec, tokenizer, model_args, pd, global_bs, accum)
+
+
+def _check_device_features(cfg: JobConfig) -> None:
+    """Options that only exist on CUDA devices are refused up front on a machine without one."""
+    if torch.cuda.is_available():
+        return
+    if cfg.training.enable_cpu_offload:
+        raise ValueError("--training.enable_cpu_offload moves GPU memory to the host: it needs CUDA devices")
+    if cfg.profiling.enable_memory_snapshot:
+        raise ValueError("--profiling.enable_memory_snapshot records the CUDA caching allocator: it needs CUDA devices")
 
 
 class Trainer:

@@ -47,6 +47,7 @@ def test_two_process_cpu_run_trains_and_writes_its_run_folder(tmp_path):
         (["--model.flavor", "debugmodle"], 1, "unknown flavor 'debugmodle'"),
         (["--parallelism.tensor_parallel_degree", "3"], 1, "world size 1 is not divisible"),
         (["--model.tokenizer_path", "/nonexistent/tok.model"], 1, "/nonexistent/tok.model"),
+        (["--training.enable_cpu_offload"], 1, "enable_cpu_offload moves GPU memory to the host: it needs CUDA"),
     ],
 )
 def test_bad_input_gets_one_clear_line(tmp_path, args, exit_code, message):

@@ -38,8 +38,6 @@ def apply_fsdp(
     dp_mesh is 1-D for FSDP and 2-D (replicate, shard) for HSDP. The model must expose `layers` (a
     ModuleDict) and may have `tok_embeddings`, `norm`, `output` (absent on pipeline stages).
     """
-    if cpu_offload and dp_mesh.device_type != "cuda":
-        raise ValueError("--training.enable_cpu_offload needs CUDA devices (it offloads GPU memory to the host)")
     kw = dict(
         mesh=dp_mesh,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
