@@ -30,6 +30,7 @@ from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims, para
 from torchtitan.tools.device_peak import peak_flops
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.memory import MemoryMonitor
+from torchtitan.tools.preemption import PreemptionWatch
 from torchtitan.tools.params import count_params
 from torchtitan.train_spec import TrainSpec, get_flavor, get_train_spec
 
@@ -70,19 +71,26 @@ class JobPlan:
     grad_accum: int
 
 
+def resolve_model(cfg: JobConfig) -> tuple[TrainSpec, object, object]:
+    """(train spec, tokenizer, model args) of a job: the flavor's shape, with the vocabulary of the tokenizer
+    in use and room for the recipe's seq_len. Also used offline (conversion, generation) from a checkpoint's
+    saved config, so a model is rebuilt with exactly the shape it was trained with."""
+    spec = get_train_spec(cfg.model.name)
+    flavor = get_flavor(spec, cfg.model.flavor)
+    tokenizer = spec.build_tokenizer_fn(cfg)
+    model_args = dataclasses.replace(
+        flavor, vocab_size=tokenizer.vocab_size, max_seq_len=max(flavor.max_seq_len, cfg.training.seq_len)
+    )
+    return spec, tokenizer, model_args
+
+
 def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
     """Resolves the model, tokenizer and layout, and checks they fit together.
 
     Raises ValueError / LayoutError / FileNotFoundError with one clear line. Used by the trainer and by
     the launcher's pre-flight check, so both judge a job the same way.
     """
-    spec = get_train_spec(cfg.model.name)
-    flavor = get_flavor(spec, cfg.model.flavor)
-    tokenizer = spec.build_tokenizer_fn(cfg)
-    # The flavor's shape, with the vocabulary of the tokenizer in use and room for the recipe's seq_len.
-    model_args = dataclasses.replace(
-        flavor, vocab_size=tokenizer.vocab_size, max_seq_len=max(flavor.max_seq_len, cfg.training.seq_len)
-    )
+    spec, tokenizer, model_args = resolve_model(cfg)
     pd = parallel_dims_from_config(cfg.parallelism, world_size)
     pd.check_model(
         n_heads=model_args.n_heads,
@@ -162,6 +170,7 @@ class Trainer:
             lr_schedulers=self.lr_schedulers,
             dataloader=self.dataloader,
             train_state=self.train_state,
+            hf_adapter=self.spec.state_dict_adapter,
         )
 
         # ---- observability --------------------------------------------------------------------------------
@@ -320,11 +329,14 @@ class Trainer:
         window_start, window_tokens, data_time = time.perf_counter(), 0, 0.0
         self.memory.reset_peak_stats()
         profiler = self._profiler()
+        preemption = PreemptionWatch() if cfg.checkpoint.enable else None
         logger.info(
             f"Training {cfg.training.steps} steps: global batch {self.global_batch_size} x seq {cfg.training.seq_len}, "
             f"{self.grad_accum} microbatch(es) per rank, layout {self.parallel_dims}"
         )
-        with profiler or contextlib.nullcontext():
+        with profiler or contextlib.nullcontext(), contextlib.ExitStack() as cleanup:
+            if preemption is not None:
+                cleanup.callback(preemption.close)
             while self.train_state.step < cfg.training.steps:
                 step = self.train_state.step + 1
                 if step % cfg.training.gc_freq == 0:
@@ -371,8 +383,16 @@ class Trainer:
                 self.checkpointer.save(step, last=last)
                 if profiler is not None:
                     profiler.step()
+                if preemption is not None and not last and preemption.requested(self.device):
+                    self.checkpointer.save(step, force=True)
+                    logger.warning(
+                        f"Preempted (SIGTERM) at step {step}: its checkpoint is saved (completed before exit) in "
+                        f"{self.checkpointer.root}; rerun the same command to resume"
+                    )
+                    break
+            else:
+                logger.info("Training finished")
         gc.enable()
-        logger.info("Training finished")
 
     def _profiler(self):
         p = self.cfg.profiling
