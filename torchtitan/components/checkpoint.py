@@ -139,16 +139,20 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def finish_folder(partial: str, final: str, cfg: JobConfig, info: dict) -> None:
-    """Completes a written checkpoint (rank 0, after every rank's files are on disk): the resolved config and
-    the manifest go beside the DCP files, then the folder gets its final name in one atomic rename."""
-    save_config(cfg, os.path.join(partial, folders.CONFIG))
+def finish_folder(partial: str, final: str, cfg: JobConfig | None, info: dict) -> None:
+    """Completes a written checkpoint (rank 0, after every rank's files are on disk): the resolved config (when
+    there is one) and the manifest go beside the DCP files, then the folder gets its final name atomically."""
+    if cfg is not None:
+        save_config(cfg, os.path.join(partial, folders.CONFIG))
     folders.write_manifest(partial, info)
     os.replace(partial, final)
 
 
-def write_model_checkpoint(final: str, state_dict: dict[str, torch.Tensor], cfg: JobConfig, info: dict) -> None:
-    """A model-only checkpoint from one process (seed checkpoint, converted Hugging Face weights)."""
+def write_model_checkpoint(
+    final: str, state_dict: dict[str, torch.Tensor], cfg: JobConfig | None, info: dict
+) -> None:
+    """A model-only checkpoint from one process (seed checkpoint, converted Hugging Face weights); `cfg` is
+    the job it belongs to, None when the weights come from elsewhere."""
     if os.path.exists(final):
         raise CheckpointError(f"{final} already exists; remove it or choose another output folder")
     partial = final + folders.PARTIAL
@@ -287,7 +291,7 @@ class CheckpointManager:
             whole_model = self.cfg.parallelism.pipeline_parallel_degree == 1  # a stage holds only some weights
             check_shapes(f"checkpoint {path}", saved_model, self._expected_model_shapes(), exact=whole_model)
         try:
-            dcp.load({k: self.states[k] for k in keys}, checkpoint_id=path)
+            dcp.load({k: self.states[k] for k in keys}, checkpoint_id=path, no_dist=not dist.is_initialized())
         except Exception as e:  # DCP raises many types; the user needs the folder and the cause
             raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: {_first_line(e)}") from e
 
@@ -340,7 +344,7 @@ class CheckpointManager:
             self.last_blocking_s = time.perf_counter() - t0
             logger.info(f"Checkpoint {final}: staged in {self.last_blocking_s:.2f}s, writing in the background")
         else:
-            dcp.save(states, checkpoint_id=partial)
+            dcp.save(states, checkpoint_id=partial, no_dist=not dist.is_initialized())
             self._finish(partial, final, {**info, "mode": "sync"})
             self.last_blocking_s = time.perf_counter() - t0
 
