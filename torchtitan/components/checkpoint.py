@@ -14,6 +14,7 @@ import io
 import os
 import shutil
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,12 @@ from torchtitan.config.manager import save_config
 from torchtitan.tools.logging import logger
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# DCP's CheckpointException derives from BaseException, so `except Exception` alone would miss it.
+DCP_ERRORS = (Exception, dcp.CheckpointException)
+
+# One process saves and loads without a process group on purpose; DCP would warn about it at every save.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 class CheckpointError(RuntimeError):
@@ -109,15 +116,15 @@ def has_checkpoint(cfg: JobConfig) -> bool:
 def check_shapes(source: str, saved: dict[str, torch.Size], expected: dict[str, torch.Size], *, exact: bool) -> None:
     """One clear line when a checkpoint does not fit the model (`exact`: it may not hold extra weights)."""
     hint = "check --model.name, --model.flavor and the tokenizer (its vocabulary sets the embedding size)"
-    missing = sorted(set(expected) - set(saved))
-    if missing:
-        raise CheckpointError(f"{source} lacks {len(missing)} weight(s) of this model, e.g. {missing[0]}; {hint}")
-    for key in sorted(expected):
+    for key in sorted(set(expected) & set(saved)):
         if tuple(saved[key]) != tuple(expected[key]):
             raise CheckpointError(
                 f"{source} was written for another model shape: {key} is {list(saved[key])} there, "
                 f"{list(expected[key])} here; {hint}"
             )
+    missing = sorted(set(expected) - set(saved))
+    if missing:
+        raise CheckpointError(f"{source} lacks {len(missing)} weight(s) of this model, e.g. {missing[0]}; {hint}")
     extra = sorted(set(saved) - set(expected))
     if exact and extra:
         raise CheckpointError(f"{source} holds {len(extra)} weight(s) this model lacks, e.g. {extra[0]}; {hint}")
@@ -126,11 +133,16 @@ def check_shapes(source: str, saved: dict[str, torch.Size], expected: dict[str, 
 def read_dcp_metadata(path: str):
     try:
         return dcp.FileSystemReader(path).read_metadata()
-    except Exception as e:  # a truncated or foreign .metadata raises pickle/EOF errors of many kinds
+    except DCP_ERRORS as e:  # a truncated or foreign .metadata raises pickle/EOF errors of many kinds
         raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {_first_line(e)}") from e
 
 
 def _first_line(e: BaseException) -> str:
+    """The gist of an error; for DCP's wrapper, the first rank's underlying error."""
+    if isinstance(e, dcp.CheckpointException) and e.failures:
+        rank, cause = sorted(e.failures.items())[0]
+        cause = cause[0] if isinstance(cause, tuple) else cause  # DCP keeps (exception, stack) pairs
+        return f"rank {rank}: {type(cause).__name__}: {_first_line(cause)}"
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
@@ -292,7 +304,7 @@ class CheckpointManager:
             check_shapes(f"checkpoint {path}", saved_model, self._expected_model_shapes(), exact=whole_model)
         try:
             dcp.load({k: self.states[k] for k in keys}, checkpoint_id=path, no_dist=not dist.is_initialized())
-        except Exception as e:  # DCP raises many types; the user needs the folder and the cause
+        except DCP_ERRORS as e:  # DCP raises many types; the user needs the folder and the cause
             raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: {_first_line(e)}") from e
 
     def _load_hf(self, path: str) -> None:
@@ -303,7 +315,9 @@ class CheckpointManager:
         try:
             full, _ = self.hf_adapter.load_hf(path)
         except Exception as e:  # safetensors / json errors of many kinds
-            raise CheckpointError(f"cannot read Hugging Face checkpoint {path}: {type(e).__name__}: {_first_line(e)}")
+            raise CheckpointError(
+                f"cannot read Hugging Face checkpoint {path}: {type(e).__name__}: {_first_line(e)}"
+            ) from e
         expected = self.model.state_dict()
         whole_model = self.cfg.parallelism.pipeline_parallel_degree == 1
         check_shapes(f"Hugging Face checkpoint {path}", {k: v.shape for k, v in full.items()},
@@ -377,7 +391,7 @@ class CheckpointManager:
             return
         try:
             job.future.result()
-        except Exception as e:
+        except DCP_ERRORS as e:
             raise CheckpointError(
                 f"background save of {job.final} failed: {type(e).__name__}: {_first_line(e)}; "
                 f"{job.partial} is left for inspection"

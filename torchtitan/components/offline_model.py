@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from torchtitan.components import checkpoint_folders as folders
 from torchtitan.components.checkpoint import (
+    DCP_ERRORS,
     CheckpointError,
     ModelWrapper,
     check_shapes,
@@ -64,5 +65,5 @@ def load_model_weights(model: nn.Module, checkpoint: str, hf_adapter=None) -> No
     check_shapes(f"checkpoint {checkpoint}", saved_model, shapes, exact=True)
     try:
         dcp.load({"model": ModelWrapper([model])}, checkpoint_id=checkpoint, no_dist=True)
-    except Exception as e:  # DCP raises many types
+    except DCP_ERRORS as e:  # DCP raises many types
         raise CheckpointError(f"cannot load checkpoint {checkpoint}: {type(e).__name__}: {str(e).strip()[:200]}") from e
