@@ -231,3 +231,21 @@ def test_failed_background_write_is_reported_and_kept(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="background save of .*step-1 failed: .*OSError: disk full"):
         manager.close()
     assert os.listdir(manager.root) == ["step-1.partial"]
+
+
+def test_data_position_saved_right_after_a_load_is_the_loaded_one():
+    """A save between loading and the next step (e.g. preemption at once) must not mix in the old iterator's
+    count (it used to report a mid-batch position that no layout could load)."""
+    from tests.unit.test_packing import ListSource
+    from torchtitan.components.tokenizer import build_tokenizer
+    from torchtitan.datasets.packing import GlobalBatchSlicer
+
+    docs = ListSource([f"document number {i} " * 5 for i in range(40)])
+    ds = GlobalBatchSlicer(docs, build_tokenizer(None), seq_len=8, global_batch_size=4, dp_rank=0, dp_degree=2)
+    it = iter(ds)
+    for _ in range(4):
+        next(it)
+    saved = ds.state_dict()
+    assert saved["yielded"] == 0
+    ds.load_state_dict(saved)
+    assert ds.state_dict() == saved
