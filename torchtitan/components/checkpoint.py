@@ -179,8 +179,6 @@ class _InFlight:
 
 
 class CheckpointManager:
-    STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
-
     def __init__(
         self, cfg: JobConfig, *, model_parts, optimizers, lr_schedulers, dataloader, train_state, hf_adapter=None
     ):
@@ -204,7 +202,6 @@ class CheckpointManager:
                 f"--checkpoint.exclude_from_loading: unknown state {unknown[0]!r}; choose from {', '.join(self.states)}"
             )
         self.rank = _rank()
-        self.loaded_step: int | None = None
         self.last_blocking_s = 0.0  # how long the last save held up training (for benchmarks and logs)
         self._last_saved_step = -1
         self._in_flight: _InFlight | None = None
@@ -242,7 +239,7 @@ class CheckpointManager:
             if step is not None:
                 folder = folders.step_folder(self.root, step)
                 self._load_dcp(folder, [k for k in self.states if k not in self.ckpt.exclude_from_loading])
-                self.loaded_step = self._last_saved_step = step
+                self._last_saved_step = step  # the loop does not save this step again
                 logger.info(f"Resumed from {folder}")
                 return True
         path = self.ckpt.initial_load_path
