@@ -110,7 +110,8 @@ def main() -> None:
         shutil.rmtree(args.folder, ignore_errors=True)
         rows += bench(model, args.repeats, args.folder)
     shutil.rmtree(args.folder, ignore_errors=True)
-    print("| model | params | mode | checkpoint MB | train step s | blocked s | save total s | step slowdown s | load s |")
+    print("| model | params | mode | checkpoint MB | train step s | blocked s | save total s | step slowdown s "
+          "| load s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['mode']} | {r['size_mb']:.0f} | {r['step_s']:.3f} | "

@@ -392,6 +392,7 @@ class Trainer:
                     break
             else:
                 logger.info("Training finished")
+        self.checkpointer.wait()  # the last save is complete (or its failure reported) when train() returns
         gc.enable()
 
     def _profiler(self):
