@@ -31,6 +31,7 @@ from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims, para
 from torchtitan.tools.device_peak import peak_flops
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.memory import MemoryMonitor
+from torchtitan.tools.preemption import PreemptionWatch
 from torchtitan.tools.params import count_params
 from torchtitan.tools.profiling import Profiler
 from torchtitan.train_spec import TrainSpec, get_flavor, get_train_spec
@@ -72,19 +73,26 @@ class JobPlan:
     grad_accum: int
 
 
+def resolve_model(cfg: JobConfig) -> tuple[TrainSpec, object, object]:
+    """(train spec, tokenizer, model args) of a job: the flavor's shape, with the vocabulary of the tokenizer
+    in use and room for the recipe's seq_len. Also used offline (conversion, generation) from a checkpoint's
+    saved config, so a model is rebuilt with exactly the shape it was trained with."""
+    spec = get_train_spec(cfg.model.name)
+    flavor = get_flavor(spec, cfg.model.flavor)
+    tokenizer = spec.build_tokenizer_fn(cfg)
+    model_args = dataclasses.replace(
+        flavor, vocab_size=tokenizer.vocab_size, max_seq_len=max(flavor.max_seq_len, cfg.training.seq_len)
+    )
+    return spec, tokenizer, model_args
+
+
 def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
     """Resolves the model, tokenizer and layout, and checks they fit together.
 
     Raises ValueError / LayoutError / FileNotFoundError with one clear line. Used by the trainer and by
     the launcher's pre-flight check, so both judge a job the same way.
     """
-    spec = get_train_spec(cfg.model.name)
-    flavor = get_flavor(spec, cfg.model.flavor)
-    tokenizer = spec.build_tokenizer_fn(cfg)
-    # The flavor's shape, with the vocabulary of the tokenizer in use and room for the recipe's seq_len.
-    model_args = dataclasses.replace(
-        flavor, vocab_size=tokenizer.vocab_size, max_seq_len=max(flavor.max_seq_len, cfg.training.seq_len)
-    )
+    spec, tokenizer, model_args = resolve_model(cfg)
     pd = parallel_dims_from_config(cfg.parallelism, world_size)
     # Shape fields a model may not have (a toy model without attention) are simply not checked.
     pd.check_model({k: getattr(model_args, k) for k in ("n_heads", "n_kv_heads", "dim", "vocab_size") if getattr(model_args, k, None)})
@@ -173,6 +181,7 @@ class Trainer:
             lr_schedulers=self.lr_schedulers,
             dataloader=self.dataloader,
             train_state=self.train_state,
+            hf_adapter=self.spec.state_dict_adapter,
         )
 
         # ---- observability --------------------------------------------------------------------------------
@@ -333,11 +342,14 @@ class Trainer:
         window_start, window_tokens, data_time = time.perf_counter(), 0, 0.0
         self.memory.reset_peak_stats()
         profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.rank, self.device)
+        preemption = PreemptionWatch() if cfg.checkpoint.enable else None
         logger.info(
             f"Training {cfg.training.steps} steps: global batch {self.global_batch_size} x seq {cfg.training.seq_len}, "
             f"{self.grad_accum} microbatch(es) per rank, layout {self.parallel_dims}"
         )
-        with profiler:
+        with profiler, contextlib.ExitStack() as cleanup:
+            if preemption is not None:
+                cleanup.callback(preemption.close)
             while self.train_state.step < cfg.training.steps:
                 step = self.train_state.step + 1
                 if step % cfg.training.gc_freq == 0:
@@ -383,8 +395,17 @@ class Trainer:
                     self.validate(step)
                 self.checkpointer.save(step, last=last)
                 profiler.step(step)
+                if preemption is not None and not last and preemption.requested(self.device):
+                    self.checkpointer.save(step, force=True)
+                    logger.warning(
+                        f"Preempted (SIGTERM) at step {step}: its checkpoint is saved (completed before exit) in "
+                        f"{self.checkpointer.root}; rerun the same command to resume"
+                    )
+                    break
+            else:
+                logger.info("Training finished")
+        self.checkpointer.wait()  # the last save is complete (or its failure reported) when train() returns
         gc.enable()
-        logger.info("Training finished")
 
     def close(self) -> None:
         self.checkpointer.close()

@@ -1,13 +1,20 @@
 """Distributed checkpointing (DCP): save and resume the whole training state under any layout.
 
-A checkpoint is `{dump_folder}/{folder}/step-N`, written first as `step-N.partial` and renamed when every
-rank has finished, so a folder named step-N is always complete. State is keyed by parameter FQN (the model
-keeps its names when split or sharded), so DCP reshards it on load into whatever layout the run has.
+A checkpoint is `{dump_folder}/{folder}/step-N` (see checkpoint_folders.py for the on-disk format). State is
+keyed by parameter FQN (the model keeps its names when split or sharded), so DCP reshards it on load into
+whatever layout the run has; values that are not tensors (data position, step, RNG) are the same on every rank
+at a step boundary and DCP writes them once, from the coordinator rank.
+
+Saving is synchronous or asynchronous: `async` copies ("stages") the state to fresh CPU memory, returns to
+training, and writes in a background thread; `async_with_pinned_mem` stages into reused pinned host memory
+(CUDA). At most one save is in flight; a folder is renamed from `.partial` only after its write finished.
 """
 
+import io
 import os
-import re
 import shutil
+import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -20,10 +27,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from torchtitan.components import checkpoint_folders as folders
 from torchtitan.config.job_config import JobConfig
+from torchtitan.config.manager import save_config
 from torchtitan.tools.logging import logger
 
-STEP_DIR = re.compile(r"^step-(\d+)$")
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# DCP's CheckpointException derives from BaseException, so `except Exception` alone would miss it.
+DCP_ERRORS = (Exception, dcp.CheckpointException)
+
+# One process saves and loads without a process group on purpose; DCP would warn about it at every save.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 class CheckpointError(RuntimeError):
@@ -47,6 +62,41 @@ class ModelWrapper(Stateful):
             set_model_state_dict(m, sd, options=StateDictOptions(strict=False))
 
 
+class DataLoaderState(Stateful):
+    """The position of the loader's global sample stream (datasets/packing.py), identical on every rank at a
+    step boundary and free of any per-rank count, so it is saved once and loads under any data-parallel
+    degree. The loader's own bookkeeping (batches yielded by this rank) is layout-bound and not saved; the
+    trainer builds a fresh iterator after loading, which starts at the restored position."""
+
+    def __init__(self, dataloader):
+        self.dataset = dataloader.dataset
+
+    def state_dict(self) -> dict:
+        return {"position": self.dataset.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.dataset.load_state_dict(sd["position"])
+
+
+class RNGState(Stateful):
+    """torch's CPU (and CUDA) generator state. Every rank is seeded alike and draws alike, so the
+    coordinator's copy, stored as one opaque blob, restores all ranks under any world size."""
+
+    def state_dict(self) -> dict:
+        states = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            states["cuda"] = torch.cuda.get_rng_state()
+        buf = io.BytesIO()
+        torch.save(states, buf)
+        return {"blob": buf.getvalue()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        states = torch.load(io.BytesIO(sd["blob"]), weights_only=True)
+        torch.set_rng_state(states["cpu"])
+        if "cuda" in states and torch.cuda.is_available():
+            torch.cuda.set_rng_state(states["cuda"])
+
+
 def load_full_state_dict(model_parts: list[nn.Module], full_sd: dict) -> None:
     """Distributes a full (unsharded, identical on every rank) state dict into sharded model parts."""
     for m in model_parts:
@@ -59,89 +109,296 @@ def checkpoint_root(cfg: JobConfig) -> str:
     return os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
 
 
-def complete_steps(root: str) -> list[int]:
-    """Steps with a complete checkpoint folder (partial ones carry a different name)."""
-    if not os.path.isdir(root):
-        return []
-    steps = []
-    for name in os.listdir(root):
-        m = STEP_DIR.match(name)
-        if m and os.path.isfile(os.path.join(root, name, ".metadata")):
-            steps.append(int(m.group(1)))
-    return sorted(steps)
-
-
 def has_checkpoint(cfg: JobConfig) -> bool:
-    return cfg.checkpoint.enable and bool(complete_steps(checkpoint_root(cfg)))
+    return cfg.checkpoint.enable and bool(folders.named_steps(checkpoint_root(cfg)))
+
+
+def check_shapes(source: str, saved: dict[str, torch.Size], expected: dict[str, torch.Size], *, exact: bool) -> None:
+    """One clear line when a checkpoint does not fit the model (`exact`: it may not hold extra weights)."""
+    hint = "check --model.name, --model.flavor and the tokenizer (its vocabulary sets the embedding size)"
+    for key in sorted(set(expected) & set(saved)):
+        if tuple(saved[key]) != tuple(expected[key]):
+            raise CheckpointError(
+                f"{source} was written for another model shape: {key} is {list(saved[key])} there, "
+                f"{list(expected[key])} here; {hint}"
+            )
+    missing = sorted(set(expected) - set(saved))
+    if missing:
+        raise CheckpointError(f"{source} lacks {len(missing)} weight(s) of this model, e.g. {missing[0]}; {hint}")
+    extra = sorted(set(saved) - set(expected))
+    if exact and extra:
+        raise CheckpointError(f"{source} holds {len(extra)} weight(s) this model lacks, e.g. {extra[0]}; {hint}")
+
+
+def read_dcp_metadata(path: str):
+    try:
+        return dcp.FileSystemReader(path).read_metadata()
+    except DCP_ERRORS as e:  # a truncated or foreign .metadata raises pickle/EOF errors of many kinds
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {_first_line(e)}") from e
+
+
+def _first_line(e: BaseException) -> str:
+    """The gist of an error; for DCP's wrapper, the first rank's underlying error."""
+    if isinstance(e, dcp.CheckpointException) and e.failures:
+        rank, cause = sorted(e.failures.items())[0]
+        cause = cause[0] if isinstance(cause, tuple) else cause  # DCP keeps (exception, stack) pairs
+        return f"rank {rank}: {type(cause).__name__}: {_first_line(cause)}"
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def finish_folder(partial: str, final: str, cfg: JobConfig | None, info: dict) -> None:
+    """Completes a written checkpoint (rank 0, after every rank's files are on disk): the resolved config (when
+    there is one) and the manifest go beside the DCP files, then the folder gets its final name atomically."""
+    if cfg is not None:
+        save_config(cfg, os.path.join(partial, folders.CONFIG))
+    folders.write_manifest(partial, info)
+    os.replace(partial, final)
+
+
+def write_model_checkpoint(
+    final: str, state_dict: dict[str, torch.Tensor], cfg: JobConfig | None, info: dict
+) -> None:
+    """A model-only checkpoint from one process (seed checkpoint, converted Hugging Face weights); `cfg` is
+    the job it belongs to, None when the weights come from elsewhere."""
+    if os.path.exists(final):
+        raise CheckpointError(f"{final} already exists; remove it or choose another output folder")
+    partial = final + folders.PARTIAL
+    os.makedirs(os.path.dirname(os.path.abspath(final)), exist_ok=True)
+    dcp.save({"model": state_dict}, checkpoint_id=partial, no_dist=True)
+    finish_folder(partial, final, cfg, {**info, "kind": "model"})
+
+
+class _InFlight:
+    def __init__(self, future, partial: str, final: str, info: dict):
+        self.future, self.partial, self.final, self.info = future, partial, final, info
 
 
 class CheckpointManager:
-    def __init__(self, cfg: JobConfig, *, model_parts, optimizers, lr_schedulers, dataloader, train_state):
+    def __init__(
+        self, cfg: JobConfig, *, model_parts, optimizers, lr_schedulers, dataloader, train_state, hf_adapter=None
+    ):
         self.cfg = cfg
         self.ckpt = cfg.checkpoint
         self.root = checkpoint_root(cfg)
         self.model = ModelWrapper(model_parts)
+        self.model_parts = model_parts
+        self.hf_adapter = hf_adapter
         self.states = {
             "model": self.model,
             "optimizer": optimizers,
             "lr_scheduler": lr_schedulers,
-            "dataloader": dataloader,
+            "dataloader": DataLoaderState(dataloader),
             "train_state": train_state,
+            "rng": RNGState(),
         }
+        unknown = sorted(set(self.ckpt.exclude_from_loading) - set(self.states))
+        if unknown:
+            raise CheckpointError(
+                f"--checkpoint.exclude_from_loading: unknown state {unknown[0]!r}; choose from {', '.join(self.states)}"
+            )
+        self.rank = _rank()
+        self.last_blocking_s = 0.0  # how long the last save held up training (for benchmarks and logs)
+        self._last_saved_step = -1
+        self._in_flight: _InFlight | None = None
+        self._reclaimer = folders.Reclaimer(self.root, self.ckpt.keep_latest_k)
+        self._async = self.ckpt.enable and self.ckpt.async_mode != "disabled"
+        self._stager = None
+        self._pg = None
+        if not self._async:
+            return
+        if self.ckpt.async_mode == "async_with_pinned_mem":
+            if not torch.cuda.is_available():
+                raise CheckpointError(
+                    "--checkpoint.async_mode async_with_pinned_mem stages GPU tensors into pinned host memory and "
+                    "needs CUDA; on CPU use --checkpoint.async_mode async"
+                )
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # Reused across saves, so the pinned buffers are allocated once; copies are synchronous so the
+            # training step only waits for the device-to-host copy, never for the write.
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
+                )
+            )
+        if dist.is_initialized():
+            # The background writer runs collectives (plan, finish) while training runs its own; a group of its
+            # own keeps the two streams of collectives apart, and DCP needs a CPU backend (gloo) for them.
+            self._pg = dist.new_group(backend="gloo")
 
     # ---- loading ----------------------------------------------------------------------------------------
     def load(self) -> bool:
         """Resumes from the run folder's checkpoint, else from initial_load_path; False when neither exists."""
-        if self.ckpt.enable and complete_steps(self.root):
-            steps = complete_steps(self.root)
-            step = steps[-1] if self.ckpt.load_step < 0 else self.ckpt.load_step
-            if step not in steps:
-                raise CheckpointError(
-                    f"--checkpoint.load_step {step}: no complete checkpoint in {self.root} (have {steps})"
-                )
-            keys = [k for k in self.states if k not in self.ckpt.exclude_from_loading]
-            self._load(os.path.join(self.root, f"step-{step}"), keys)
-            logger.info(f"Resumed from {self.root}/step-{step}")
-            return True
-        if self.ckpt.initial_load_path:
-            path = self.ckpt.initial_load_path
-            if not os.path.isfile(os.path.join(path, ".metadata")):
-                raise CheckpointError(f"--checkpoint.initial_load_path {path}: not a complete DCP checkpoint")
+        if self.ckpt.enable:
+            step = self._resume_step()
+            if step is not None:
+                folder = folders.step_folder(self.root, step)
+                self._load_dcp(folder, [k for k in self.states if k not in self.ckpt.exclude_from_loading])
+                self._last_saved_step = step  # the loop does not save this step again
+                logger.info(f"Resumed from {folder}")
+                return True
+        path = self.ckpt.initial_load_path
+        if not path:
+            return False
+        if not os.path.isdir(path):
+            raise CheckpointError(f"--checkpoint.initial_load_path {path}: no such folder")
+        if self.ckpt.initial_load_in_hf:
+            self._load_hf(path)
+        else:
+            why = folders.problem(path, require_manifest=False)
+            if why is not None:
+                raise CheckpointError(f"--checkpoint.initial_load_path {path}: {why}")
             keys = ["model"] if self.ckpt.initial_load_model_only else list(self.states)
-            self._load(path, keys)
-            logger.info(f"Loaded initial weights from {path}")
-            return True
-        return False
+            self._load_dcp(path, [k for k in keys if k not in self.ckpt.exclude_from_loading])
+        logger.info(f"Loaded initial weights from {path}")
+        return True
 
-    def _load(self, path: str, keys: list[str]) -> None:
-        states = {k: self.states[k] for k in keys}
+    def _resume_step(self) -> int | None:
+        """The step to resume from; unusable folders are reported and left where they are."""
+        partials = folders.leftovers(self.root, folders.PARTIAL)
+        if partials and self.rank == 0:
+            logger.warning(
+                f"Ignoring unfinished checkpoint(s) {', '.join(partials)} in {self.root} (a save was interrupted); "
+                f"left in place, a later save of the same step replaces it"
+            )
+        if self.ckpt.load_step >= 0:
+            folder = folders.step_folder(self.root, self.ckpt.load_step)
+            why = folders.problem(folder)
+            if why is not None:
+                raise CheckpointError(f"--checkpoint.load_step {self.ckpt.load_step}: {folder} is not usable: {why}")
+            return self.ckpt.load_step
+        choice = folders.choose_resume_step(self.root)
+        if self.rank == 0:
+            for name, why in choice.skipped.items():
+                logger.warning(f"Skipping checkpoint {self.root}/{name}: {why}; left in place for inspection")
+        if choice.step is None and choice.skipped:
+            found = "; ".join(f"{name}: {why}" for name, why in choice.skipped.items())
+            raise CheckpointError(
+                f"no usable checkpoint in {self.root} ({found}); move the folder(s) away to start from scratch"
+            )
+        return choice.step
+
+    def _expected_model_shapes(self) -> dict[str, torch.Size]:
+        return {k: v.shape for k, v in self.model.state_dict().items()}  # DTensor shapes are the global ones
+
+    def _load_dcp(self, path: str, keys: list[str]) -> None:
+        saved = read_dcp_metadata(path).state_dict_metadata
+        for key in keys:
+            if not any(k.startswith(key + ".") for k in saved):
+                raise CheckpointError(
+                    f"checkpoint {path} holds no {key!r} state (a model-only checkpoint?); load it with "
+                    f"--checkpoint.initial_load_path {path} --checkpoint.initial_load_model_only, or add {key!r} "
+                    f"to --checkpoint.exclude_from_loading"
+                )
+        if "model" in keys:
+            saved_model = {k[len("model.") :]: m.size for k, m in saved.items() if k.startswith("model.")}
+            whole_model = self.cfg.parallelism.pipeline_parallel_degree == 1  # a stage holds only some weights
+            check_shapes(f"checkpoint {path}", saved_model, self._expected_model_shapes(), exact=whole_model)
         try:
-            dcp.load(states, checkpoint_id=path)
-        except Exception as e:  # DCP raises many types; the user needs the folder and the cause
-            raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+            dcp.load({k: self.states[k] for k in keys}, checkpoint_id=path, no_dist=not dist.is_initialized())
+        except DCP_ERRORS as e:  # DCP raises many types; the user needs the folder and the cause
+            raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: {_first_line(e)}") from e
+
+    def _load_hf(self, path: str) -> None:
+        if self.hf_adapter is None:
+            raise CheckpointError(f"model {self.cfg.model.name} has no Hugging Face adapter; cannot load {path}")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise CheckpointError(f"--checkpoint.initial_load_path {path}: not a Hugging Face folder (no config.json)")
+        try:
+            full, _ = self.hf_adapter.load_hf(path)
+        except Exception as e:  # safetensors / json errors of many kinds
+            raise CheckpointError(
+                f"cannot read Hugging Face checkpoint {path}: {type(e).__name__}: {_first_line(e)}"
+            ) from e
+        expected = self.model.state_dict()
+        whole_model = self.cfg.parallelism.pipeline_parallel_degree == 1
+        check_shapes(f"Hugging Face checkpoint {path}", {k: v.shape for k, v in full.items()},
+                     {k: v.shape for k, v in expected.items()}, exact=whole_model)
+        load_full_state_dict(self.model_parts, {k: full[k].to(v.dtype) for k, v in expected.items()})
 
     # ---- saving -----------------------------------------------------------------------------------------
-    def save(self, step: int, *, last: bool = False) -> None:
-        if not self.ckpt.enable or not (last or step % self.ckpt.interval == 0):
+    def save(self, step: int, *, last: bool = False, force: bool = False) -> None:
+        """Saves at the interval, at the last step (an export when last_save_model_only) and when forced
+        (preemption). A step is saved at most once."""
+        if not self.ckpt.enable:
             return
-        self.save_to(os.path.join(self.root, f"step-{step}"), model_only=False)
+        self._poll()
+        if step == self._last_saved_step:
+            return
+        if last and self.ckpt.last_save_model_only:
+            dtype = EXPORT_DTYPES[self.ckpt.export_dtype]
+            model = {k: v.to(dtype) for k, v in self.model.state_dict().items()}
+            self._write(os.path.join(self.root, f"export-step-{step}"), {"model": model}, step, "export")
+        elif last or force or step % self.ckpt.interval == 0:
+            self._write(folders.step_folder(self.root, step), self.states, step, "full")
+        else:
+            return
+        self._last_saved_step = step
 
-    def save_to(self, final: str, *, model_only: bool) -> None:
-        partial = final + ".partial"
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        if rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        states = {"model": self.model} if model_only else self.states
-        dcp.save(states, checkpoint_id=partial)
+    def _write(self, final: str, states: dict, step: int, kind: str) -> None:
+        t0 = time.perf_counter()
+        self.wait()  # at most one save in flight
+        partial = final + folders.PARTIAL
+        if self.rank == 0:
+            self._clear_name(partial, final)
         if dist.is_initialized():
-            dist.barrier()
-        if rank == 0:
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.replace(partial, final)
+            dist.barrier()  # nobody writes into the folder before rank 0 cleared it
+        info = {"step": step, "kind": kind, "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+        if self._async:
+            future = dcp.async_save(states, checkpoint_id=partial, process_group=self._pg, async_stager=self._stager)
+            self._in_flight = _InFlight(future, partial, final, {**info, "mode": self.ckpt.async_mode})
+            self.last_blocking_s = time.perf_counter() - t0
+            logger.info(f"Checkpoint {final}: staged in {self.last_blocking_s:.2f}s, writing in the background")
+        else:
+            dcp.save(states, checkpoint_id=partial, no_dist=not dist.is_initialized())
+            self._finish(partial, final, {**info, "mode": "sync"})
+            self.last_blocking_s = time.perf_counter() - t0
+
+    def _clear_name(self, partial: str, final: str) -> None:
+        """Makes room for a new save of this step; nothing usable is deleted."""
+        if os.path.exists(partial):
+            logger.warning(f"Replacing {partial}, the unfinished save of an interrupted run")
+            shutil.rmtree(partial)
+        if os.path.exists(final):
+            aside = f"{final}.old-{time.strftime('%Y%m%d-%H%M%S')}"
+            logger.warning(f"{final} exists (an earlier run's save of this step); moving it to {aside}")
+            os.replace(final, aside)
+
+    def _finish(self, partial: str, final: str, info: dict) -> None:
+        if self.rank == 0:
+            finish_folder(partial, final, self.cfg, info)
             logger.info(f"Saved checkpoint {final}")
-        if dist.is_initialized():
-            dist.barrier()
+            if info["kind"] == "full":
+                self._reclaimer.start(protect={info["step"]})
+
+    def _poll(self) -> None:
+        """Completes a background save that has finished, so it becomes visible (and survives a kill) early."""
+        if self._in_flight is not None and self._in_flight.future.done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Blocks until the save in flight (if any) is written, then completes its folder."""
+        job, self._in_flight = self._in_flight, None
+        if job is None:
+            return
+        try:
+            job.future.result()
+        except DCP_ERRORS as e:
+            raise CheckpointError(
+                f"background save of {job.final} failed: {type(e).__name__}: {_first_line(e)}; "
+                f"{job.partial} is left for inspection"
+            ) from e
+        self._finish(job.partial, job.final, job.info)
 
     def close(self) -> None:
-        pass
+        try:
+            self.wait()
+        finally:
+            self._reclaimer.wait()
+            if self._stager is not None:
+                self._stager.close()

@@ -134,6 +134,7 @@ class GlobalBatchSlicer(IterableDataset):
     def load_state_dict(self, state: dict) -> None:
         self._batch_start = StreamPosition(state["doc_index"], state["epoch"], list(state["buffer"]))
         self._batch_end = None
-        self._resume_skip = state["yielded"]
+        # Until iteration restarts, state_dict() must report the loaded position, not the previous iterator's.
+        self._resume_skip = self._yielded = state["yielded"]
         if self._resume_skip and self._resume_skip >= self.slice_size:
             raise ValueError("data loader state is mid-batch for a different data-parallel layout")

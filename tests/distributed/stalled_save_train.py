@@ -1,0 +1,26 @@
+"""`python -m torchtitan.train` with the background write of one checkpoint stalled, so a test can SIGKILL the
+run while that save is in flight (a stand-in for a node dying mid-write). The step to stall comes from
+TORCHTITAN_TEST_STALL_STEP; everything else is the real trainer."""
+
+import os
+import sys
+import time
+
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+STALL = f"step-{os.environ['TORCHTITAN_TEST_STALL_STEP']}.partial"
+_real_write_data = FileSystemWriter.write_data
+
+
+def _write_data(self, plan, planner):
+    if STALL in str(self.path):
+        time.sleep(3600)
+    return _real_write_data(self, plan, planner)
+
+
+FileSystemWriter.write_data = _write_data
+
+if __name__ == "__main__":
+    from torchtitan.train import main
+
+    sys.exit(main(sys.argv[1:]))

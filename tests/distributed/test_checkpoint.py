@@ -1,0 +1,161 @@
+"""Checkpoints resume runs exactly and across layouts, and a killed save never gets loaded.
+
+* Same layout, fp32: 20 steps straight and 10 + preemption (SIGTERM) + resume + 10 log bit-identical losses
+  and grad norms (single process, sync save; FSDP 2, async save).
+* Another layout: a run preempted under FSDP 4 resumes under TP 2 x FSDP 2 and under one process; the next 10
+  steps match the uninterrupted single-process run within the 2D parity tolerances (test_parity_2d.py). The
+  negative control resumes without the data loader state (samples repeat) and must fail that check.
+* Fault: a run SIGKILLed while its async save of step 10 is being written resumes from step 5, reports the
+  unfinished folder, and continues bit-identically.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.distributed.test_parity_2d import assert_parity
+from tests.distributed.trainer_runs import PARITY_ARGS, curves, read_metrics, train
+
+pytestmark = pytest.mark.distributed
+
+STEPS = ["--training.steps", "20", "--checkpoint.enable", "--checkpoint.interval", "5"]
+SINGLE = (1, ["--training.local_batch_size", "4"])
+FSDP2 = (2, ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"])
+FSDP4 = (4, ["--parallelism.data_parallel_shard_degree", "4", "--training.local_batch_size", "2"])
+TP2_FSDP2 = (4, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+                 "--training.local_batch_size", "4"])
+ASYNC = ["--checkpoint.async_mode", "async"]
+
+
+def _sigterm_after_step_10(rank, world_size):
+    """Preempts the run: rank 0 alone gets SIGTERM during step 10 (the ranks must agree to stop together)."""
+    from torchtitan.train import Trainer
+
+    real = Trainer.train_step
+
+    def train_step(self, microbatches):
+        out = real(self, microbatches)
+        if rank == 0 and self.train_state.step + 1 == 10:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    Trainer.train_step = train_step
+
+
+def preempted_at_10(layout, extra, folder):
+    world, argv = layout
+    steps, _ = train(world, argv + STEPS + extra, folder, setup=_sigterm_after_step_10)
+    assert [m["step"] for m in steps] == list(range(1, 11)), "SIGTERM must stop the run after step 10"
+    assert os.path.isfile(os.path.join(folder, "checkpoint", "step-10", "manifest.json"))
+    return steps
+
+
+def resume(layout, extra, folder):
+    world, argv = layout
+    steps, _ = train(world, argv + STEPS + extra, folder)
+    return steps
+
+
+def assert_identical(a, b):
+    la, ga = curves(a)
+    lb, gb = curves(b)
+    assert torch.equal(la, lb), f"losses differ:\n{la.tolist()}\n{lb.tolist()}"
+    assert torch.equal(ga, gb), f"grad norms differ:\n{ga.tolist()}\n{gb.tolist()}"
+
+
+@pytest.fixture(scope="module")
+def straight_single(tmp_path_factory):
+    steps, _ = train(SINGLE[0], SINGLE[1] + STEPS, str(tmp_path_factory.mktemp("straight_single")))
+    assert len(steps) == 20
+    return steps
+
+
+@pytest.fixture(scope="module")
+def fsdp4_preempted(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("fsdp4"))
+    return folder, preempted_at_10(FSDP4, [], folder)
+
+
+def test_exact_resume_single_process(straight_single, tmp_path):
+    preempted_at_10(SINGLE, [], str(tmp_path))
+    steps = resume(SINGLE, [], str(tmp_path))  # metrics.jsonl now holds steps 1..10 then 11..20
+    assert [m["step"] for m in steps] == list(range(1, 21))
+    assert_identical(steps, straight_single)
+
+
+def test_exact_resume_fsdp2_async(tmp_path_factory):
+    straight, _ = train(FSDP2[0], FSDP2[1] + STEPS + ASYNC, str(tmp_path_factory.mktemp("straight_fsdp2")))
+    folder = str(tmp_path_factory.mktemp("resumed_fsdp2"))
+    preempted_at_10(FSDP2, ASYNC, folder)
+    steps = resume(FSDP2, ASYNC, folder)
+    assert_identical(steps, straight)
+
+
+def _resume_in(layout, fsdp4_preempted, folder, extra=()):
+    source, _ = fsdp4_preempted
+    shutil.copytree(os.path.join(source, "checkpoint"), os.path.join(folder, "checkpoint"))
+    steps = resume(layout, list(extra), folder)
+    assert [m["step"] for m in steps] == list(range(11, 21))
+    return steps
+
+
+def test_fsdp4_run_matches_before_preemption(fsdp4_preempted, straight_single):
+    _, steps = fsdp4_preempted
+    assert_parity(curves(steps), curves(straight_single[:10]))
+
+
+@pytest.mark.parametrize("layout", ["tp2_fsdp2", "single"])
+def test_resume_under_another_layout(layout, fsdp4_preempted, straight_single, tmp_path):
+    target = {"tp2_fsdp2": TP2_FSDP2, "single": SINGLE}[layout]
+    steps = _resume_in(target, fsdp4_preempted, str(tmp_path))
+    assert_parity(curves(steps), curves(straight_single[10:]))
+
+
+def test_resharding_check_catches_lost_data_position(fsdp4_preempted, straight_single, tmp_path):
+    """The check has teeth: resuming without the data loader state replays the first batches and fails it."""
+    steps = _resume_in(SINGLE, fsdp4_preempted, str(tmp_path), ["--checkpoint.exclude_from_loading", "dataloader"])
+    with pytest.raises(AssertionError):
+        assert_parity(curves(steps), curves(straight_single[10:]))
+
+
+def _run_cli(module, argv, folder, **kw):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHTITAN_TEST_STALL_STEP": "10"}
+    cmd = [sys.executable, "-m", module, *PARITY_ARGS, *SINGLE[1], *STEPS, *argv, "--job.dump_folder", folder]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def test_killed_during_async_save_resumes_from_last_complete(straight_single, tmp_path):
+    folder = str(tmp_path)
+    root = os.path.join(folder, "checkpoint")
+    proc = _run_cli("tests.distributed.stalled_save_train", ASYNC, folder)
+    try:
+        deadline = time.time() + 400
+        while time.time() < deadline and proc.poll() is None:
+            logged = read_metrics(folder) if os.path.exists(os.path.join(folder, "metrics.jsonl")) else []
+            # Training went on while step 10 was being written: the save blocks only for staging.
+            if os.path.isdir(os.path.join(root, "step-10.partial")) and logged and logged[-1]["step"] >= 12:
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, f"the run ended early:\n{proc.stdout.read()}"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert sorted(os.listdir(root)) == ["step-10.partial", "step-5"], "only the finished save may look complete"
+    before = len(read_metrics(folder))
+
+    proc = _run_cli("torchtitan.train", [], folder)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    assert "Ignoring unfinished checkpoint(s) step-10.partial" in out
+    assert f"Resumed from {root}/step-5" in out
+    resumed = read_metrics(folder)[before:]
+    assert [m["step"] for m in resumed] == list(range(6, 21))
+    assert_identical(resumed, straight_single[5:])

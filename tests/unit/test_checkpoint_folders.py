@@ -1,0 +1,81 @@
+"""The checkpoint folder format: completion manifest, corruption detection, resume choice, retention."""
+
+import os
+
+from torchtitan.components import checkpoint_folders as folders
+
+
+def fake_checkpoint(root, step, payload=b"x" * 100, complete=True):
+    folder = folders.step_folder(str(root), step)
+    name = folder if complete else folder + folders.PARTIAL
+    os.makedirs(name)
+    with open(os.path.join(name, folders.DCP_METADATA), "wb") as f:
+        f.write(b"meta")
+    with open(os.path.join(name, "__0_0.distcp"), "wb") as f:
+        f.write(payload)
+    if complete:
+        folders.write_manifest(name, {"step": step})
+    return name
+
+
+def test_manifest_marks_complete_and_records_code_version(tmp_path):
+    folder = fake_checkpoint(tmp_path, 5)
+    assert folders.problem(folder) is None
+    manifest = folders.read_manifest(folder)
+    assert manifest["step"] == 5 and manifest["files"]["__0_0.distcp"] == 100
+    assert manifest["torchtitan"] and manifest["torch"]
+    assert "git_commit" in manifest
+
+
+def test_truncated_missing_and_unfinished_are_reported(tmp_path):
+    folder = fake_checkpoint(tmp_path, 1)
+    with open(os.path.join(folder, "__0_0.distcp"), "r+b") as f:
+        f.truncate(10)
+    assert "has 10 bytes, 100 were written" in folders.problem(folder)
+    os.remove(os.path.join(folder, "__0_0.distcp"))
+    assert folders.problem(folder) == "missing file __0_0.distcp"
+    os.remove(os.path.join(folder, folders.MANIFEST))
+    assert "did not finish" in folders.problem(folder)
+    # Foreign checkpoints (no manifest) only need DCP's metadata when the manifest is optional.
+    assert folders.problem(folder, require_manifest=False) is None
+
+
+def test_resume_skips_newer_broken_folders_and_partials(tmp_path):
+    fake_checkpoint(tmp_path, 5)
+    broken = fake_checkpoint(tmp_path, 10)
+    os.remove(os.path.join(broken, "__0_0.distcp"))
+    fake_checkpoint(tmp_path, 15, complete=False)
+    choice = folders.choose_resume_step(str(tmp_path))
+    assert choice.step == 5
+    assert list(choice.skipped) == ["step-10"]
+    assert folders.leftovers(str(tmp_path), folders.PARTIAL) == ["step-15.partial"]
+
+
+def test_retention_keeps_latest_valid_and_leaves_corrupt_and_partial(tmp_path):
+    for step in (1, 2, 3, 4):
+        fake_checkpoint(tmp_path, step)
+    corrupt = fake_checkpoint(tmp_path, 0)
+    os.remove(os.path.join(corrupt, "__0_0.distcp"))
+    fake_checkpoint(tmp_path, 5, complete=False)
+    reclaimer = folders.Reclaimer(str(tmp_path), keep=2)
+    reclaimer.start(protect={4})
+    reclaimer.wait()
+    assert sorted(os.listdir(tmp_path)) == ["step-0", "step-3", "step-4", "step-5.partial"]
+
+
+def test_retention_never_removes_protected_step(tmp_path):
+    for step in (1, 2, 3):
+        fake_checkpoint(tmp_path, step)
+    reclaimer = folders.Reclaimer(str(tmp_path), keep=1)
+    reclaimer.start(protect={1})
+    reclaimer.wait()
+    assert sorted(os.listdir(tmp_path)) == ["step-1", "step-3"]
+
+
+def test_keep_zero_keeps_everything(tmp_path):
+    for step in (1, 2, 3):
+        fake_checkpoint(tmp_path, step)
+    reclaimer = folders.Reclaimer(str(tmp_path), keep=0)
+    reclaimer.start(protect=set())
+    reclaimer.wait()
+    assert len(os.listdir(tmp_path)) == 3

@@ -1,0 +1,162 @@
+"""The on-disk format of a checkpoint folder: naming, completion manifest, validation and retention.
+
+    {root}/step-N.partial   being written (or a save that was interrupted): never loaded, never deleted here
+    {root}/step-N           complete: DCP files + `.metadata` + `manifest.json` + `config.toml`
+    {root}/step-N.reclaiming  being removed by retention (renamed first, so it can never look complete)
+
+The manifest is written last, once every rank's files are on disk, and lists each file with its size; a
+folder whose files do not match it (truncated copy, half-deleted folder, lost file) is reported as corrupt.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from torchtitan.tools.logging import logger
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+PARTIAL = ".partial"
+RECLAIMING = ".reclaiming"
+MANIFEST = "manifest.json"
+CONFIG = "config.toml"
+DCP_METADATA = ".metadata"
+
+
+def step_folder(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step}")
+
+
+def named_steps(root: str) -> list[int]:
+    """Steps with a folder named complete (step-N), oldest first; their content is not checked here."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(m.group(1)) for name in os.listdir(root) if (m := STEP_DIR.match(name)))
+
+
+def leftovers(root: str, suffix: str) -> list[str]:
+    if not os.path.isdir(root):
+        return []
+    return sorted(name for name in os.listdir(root) if name.endswith(suffix))
+
+
+def code_version() -> dict:
+    """What wrote a checkpoint: the git commit of the source tree when there is one, and package versions."""
+    import torchtitan
+
+    here = os.path.dirname(os.path.abspath(torchtitan.__file__))
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"git_commit": commit, "torchtitan": torchtitan.__version__, "torch": torch.__version__}
+
+
+def write_manifest(folder: str, info: dict) -> None:
+    """Records every file of a finished checkpoint with its size (the completion marker)."""
+    files = {}
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            files[os.path.relpath(path, folder)] = os.path.getsize(path)
+    files.pop(MANIFEST, None)
+    manifest = {**info, "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **code_version(), "files": files}
+    tmp = os.path.join(folder, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+    os.replace(tmp, os.path.join(folder, MANIFEST))
+
+
+def problem(folder: str, *, require_manifest: bool = True) -> str | None:
+    """Why `folder` is not a usable checkpoint, or None when it is.
+
+    Checkpoints from elsewhere (e.g. a converted model) may lack our manifest; then only DCP's own
+    `.metadata` is required and file sizes cannot be checked."""
+    if not os.path.isdir(folder):
+        return "no such folder"
+    manifest_path = os.path.join(folder, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        if require_manifest:
+            return f"no {MANIFEST} (the save did not finish)"
+        return None if os.path.isfile(os.path.join(folder, DCP_METADATA)) else "not a DCP checkpoint (no .metadata)"
+    try:
+        with open(manifest_path) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"unreadable {MANIFEST} ({type(e).__name__})"
+    for name, size in sorted(files.items()):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            return f"missing file {name}"
+        actual = os.path.getsize(path)
+        if actual != size:
+            return f"file {name} has {actual} bytes, {size} were written (truncated or corrupt)"
+    return None
+
+
+def read_manifest(folder: str) -> dict:
+    with open(os.path.join(folder, MANIFEST)) as f:
+        return json.load(f)
+
+
+@dataclass
+class ResumeChoice:
+    step: int | None
+    skipped: dict[str, str]  # folder name -> problem
+
+
+def choose_resume_step(root: str) -> ResumeChoice:
+    """The newest usable checkpoint; the newer unusable ones are reported, not touched."""
+    skipped = {}
+    for step in reversed(named_steps(root)):
+        why = problem(step_folder(root, step))
+        if why is None:
+            return ResumeChoice(step, skipped)
+        skipped[f"step-{step}"] = why
+    return ResumeChoice(None, skipped)
+
+
+class Reclaimer:
+    """Removes complete checkpoints beyond the newest `keep` in a background thread (rank 0 only).
+
+    Only folders that pass validation count and are removed: corrupt ones stay for a person to look at.
+    A removal renames the folder to `.reclaiming` first, so a kill mid-way never leaves a step-N folder
+    with missing files; leftovers of that kind are finished by the next pass."""
+
+    def __init__(self, root: str, keep: int):
+        self.root, self.keep = root, keep
+        self._thread: threading.Thread | None = None
+
+    def start(self, protect: set[int]) -> None:
+        if self.keep <= 0:
+            return
+        self.wait()
+        self._thread = threading.Thread(target=self._run, args=(set(protect),), name="ckpt-reclaim", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self, protect: set[int]) -> None:
+        valid = [s for s in named_steps(self.root) if problem(step_folder(self.root, s)) is None]
+        doomed = [s for s in valid[: -self.keep] if s not in protect]
+        for step in doomed:
+            folder = step_folder(self.root, step)
+            try:
+                os.replace(folder, folder + RECLAIMING)
+            except OSError as e:
+                logger.warning(f"Checkpoint retention: could not remove {folder}: {e}")
+                continue
+            logger.info(f"Checkpoint retention (keep_latest_k={self.keep}): removing {folder}")
+        for name in leftovers(self.root, RECLAIMING):
+            shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)

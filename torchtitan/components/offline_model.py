@@ -1,0 +1,69 @@
+"""One-process access to a checkpoint's model outside training (conversion, generation, seed checkpoints).
+
+A checkpoint written by the trainer carries its resolved config (config.toml), so the model is rebuilt with
+exactly the shape it was trained with; options given on the command line override it (and are needed for a
+checkpoint without config, e.g. one converted from Hugging Face).
+"""
+
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+
+from torchtitan.components import checkpoint_folders as folders
+from torchtitan.components.checkpoint import (
+    DCP_ERRORS,
+    CheckpointError,
+    ModelWrapper,
+    check_shapes,
+    read_dcp_metadata,
+)
+from torchtitan.config import ConfigManager, JobConfig
+from torchtitan.train import resolve_model
+
+
+def job_config_of(checkpoint: str, overrides: list[str]) -> JobConfig:
+    """The config `checkpoint` was written with (when it has one), then `overrides` (--section.key value)."""
+    saved = os.path.join(checkpoint, folders.CONFIG)
+    recipe = ["--job.config_file", saved] if os.path.isfile(saved) else []
+    return ConfigManager().parse_args(recipe + list(overrides))
+
+
+def build_cpu_model(cfg: JobConfig) -> tuple[nn.Module, object, object, object]:
+    """(model in fp32 on CPU, train spec, tokenizer, model args), initialised by the model's own init under
+    the job's seed (exactly as a one-process training run starts)."""
+    spec, tokenizer, args = resolve_model(cfg)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0 if cfg.debug.seed is None else cfg.debug.seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)  # also builds derived buffers (RoPE tables)
+    return model, spec, tokenizer, args
+
+
+def load_model_weights(model: nn.Module, checkpoint: str, hf_adapter=None) -> None:
+    """Loads the model weights of a DCP checkpoint (full, export or seed) or of a Hugging Face folder (one with
+    config.json) into `model`, casting to its dtype; one clear line when the checkpoint does not fit."""
+    expected = model.state_dict()
+    shapes = {k: v.shape for k, v in expected.items()}
+    if not os.path.isdir(checkpoint):
+        raise CheckpointError(f"checkpoint {checkpoint}: no such folder")
+    if os.path.isfile(os.path.join(checkpoint, "config.json")):
+        if hf_adapter is None:
+            raise CheckpointError(f"{checkpoint} is a Hugging Face folder but the model has no adapter")
+        full, _ = hf_adapter.load_hf(checkpoint)
+        check_shapes(f"Hugging Face checkpoint {checkpoint}", {k: v.shape for k, v in full.items()}, shapes, exact=True)
+        model.load_state_dict({k: full[k].to(v.dtype) for k, v in expected.items()}, strict=True)
+        return
+    why = folders.problem(checkpoint, require_manifest=False)
+    if why is not None:
+        raise CheckpointError(f"checkpoint {checkpoint}: {why}")
+    saved = read_dcp_metadata(checkpoint).state_dict_metadata
+    saved_model = {k[len("model.") :]: m.size for k, m in saved.items() if k.startswith("model.")}
+    check_shapes(f"checkpoint {checkpoint}", saved_model, shapes, exact=True)
+    try:
+        dcp.load({"model": ModelWrapper([model])}, checkpoint_id=checkpoint, no_dist=True)
+    except DCP_ERRORS as e:  # DCP raises many types
+        raise CheckpointError(f"cannot load checkpoint {checkpoint}: {type(e).__name__}: {str(e).strip()[:200]}") from e
