@@ -32,6 +32,10 @@ LAYOUTS = {
                                "--training.local_batch_size", "4"]),
     "cp2_fsdp2": (4, CP2 + ["--parallelism.context_parallel_rotate_method", "alltoall",
                             "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"]),
+    # dp_replicate 2 x cp 2: FSDP's 2-D mesh (replicate, dp_shard x cp) with a shard size of cp alone.
+    "cp2_ddp2": (4, CP2 + ["--parallelism.context_parallel_rotate_method", "alltoall",
+                           "--parallelism.data_parallel_replicate_degree", "2",
+                           "--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "2"]),
     "cp2_tp2": (4, CP2 + ["--parallelism.context_parallel_rotate_method", "allgather",
                           "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]),
 }
