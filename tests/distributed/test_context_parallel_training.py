@@ -1,10 +1,11 @@
 """Context parallel changes memory, never the numbers.
 
-The real Trainer with CP (alone, with FSDP, with TP+SP) must log the same per-step loss and pre-clipping
-grad norm as one process, under the parity protocol of test_parity_2d (same recipe, same tolerances: loss
-rtol 1e-5, grad norm rtol 5e-5). Each cp rank sees a load-balanced slice (two chunks) of every sequence; the ring
-attention, the RoPE positions, the label slice, the token count and the gradient sum over dp x cp all have
-to be right for the curves to agree. One step's gradients are also compared parameter by parameter.
+The real Trainer with CP (alone, with FSDP, with replicate, with TP+SP) must log the same per-step loss and
+pre-clipping grad norm as one process, under the parity protocol of test_parity_2d (same recipe, same
+tolerances: loss rtol 1e-5, grad norm rtol 5e-5). Each cp rank sees a load-balanced slice (two chunks) of
+every sequence; the ring attention, the RoPE positions, the label slice, the token count and the gradient
+sum over dp x cp all have to be right for the curves to agree. One step's gradients are also compared
+parameter by parameter.
 
 The negative control drops the true RoPE positions (every cp rank rotates its slice as if it started at
 0): the model still trains, so only a parity check can notice, and it must.
@@ -16,8 +17,8 @@ import pytest
 import torch
 
 from tests.distributed.test_parity_2d import assert_parity
-from tests.multiprocess import run_ranks
 from tests.distributed.trainer_runs import curves, train
+from tests.multiprocess import run_ranks
 
 pytestmark = pytest.mark.distributed
 
