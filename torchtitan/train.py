@@ -27,6 +27,7 @@ from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.manager import save_config, to_toml
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.context_parallel import shard_batch
 from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims, parallel_dims_from_config
 from torchtitan.tools.device_peak import peak_flops
 from torchtitan.tools.logging import init_logger, logger
@@ -258,6 +259,7 @@ class Trainer:
         """One optimizer step over the rank's microbatches; returns (global loss, grad norm), unsynced."""
         from torchtitan.components.loss import IGNORE_INDEX
 
+        microbatches = [shard_batch(mb, *self.parallel_dims.coordinate("cp")) for mb in microbatches]
         local_tokens = sum((lab != IGNORE_INDEX).sum() for _, lab in microbatches)
         # Every rank divides by the same global count, so summed gradients give the global mean.
         self._global_tokens = self._reduce_over(local_tokens.to(torch.float32), "dp_cp").clamp_min(1)
@@ -314,7 +316,8 @@ class Trainer:
         for i, (inputs, labels) in enumerate(loader):
             if 0 <= v.steps <= i:
                 break
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            batch = (inputs.to(self.device), labels.to(self.device))
+            inputs, labels = shard_batch(batch, *self.parallel_dims.coordinate("cp"))
             if self.pp_schedule is not None:
                 from torchtitan.distributed.pipeline import run_pipeline_eval
 

@@ -182,10 +182,13 @@ class Parallelism:
     "output"]]."""
 
     context_parallel_degree: int = 1
-    """Ranks each sequence is split over (ring attention)."""
+    """Ranks each sequence is split over (ring attention). seq_len must be a multiple of 2 x this degree
+    (x tensor_parallel_degree). See docs/context_parallel.md."""
 
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
-    """How key/value shards travel around the context-parallel ring."""
+    """How key/value shards travel around the context-parallel ring: "allgather" gathers every rank's k/v once
+    per layer (keeps O(seq_len) k/v per rank for backward); "alltoall" passes shards rank to rank (keeps only
+    the local O(seq_len/cp) shard: use it for long sequences)."""
 
 
 @dataclass

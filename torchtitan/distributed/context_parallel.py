@@ -74,6 +74,14 @@ def shard_sequence(x: torch.Tensor, dim: int, cp_size: int, cp_rank: int) -> tor
     return x.index_select(dim, index)
 
 
+def shard_batch(batch: tuple[torch.Tensor, ...], cp_rank: int, cp_size: int) -> tuple[torch.Tensor, ...]:
+    """This rank's slice of [B, S] tensors that go together (inputs and labels): the same load-balanced
+    positions of each, so every kept label stays next to its input. The batch as given when cp_size is 1."""
+    if cp_size == 1:
+        return batch
+    return tuple(shard_sequence(t, 1, cp_size, cp_rank) for t in batch)
+
+
 def unshard_sequence(local_shards: list[torch.Tensor], dim: int) -> torch.Tensor:
     """Rebuild the full sequence from every rank's shard, given in cp-rank order."""
     cp_size = len(local_shards)

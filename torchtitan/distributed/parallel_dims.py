@@ -98,12 +98,18 @@ class ParallelDims:
 
     def check_batch(self, *, seq_len: int, global_batch_size: int, local_batch_size: int) -> int:
         """Validates sequence/batch divisibility; returns the gradient-accumulation steps."""
+        # CP cuts each sequence into 2 x cp chunks (two per cp rank, for causal load balance); sequence
+        # parallel then splits a rank's slice over the tp ranks.
+        factors = ([f"2 x context_parallel_degree {self.cp}"] if self.cp > 1 else []) + (
+            [f"tensor_parallel_degree {self.tp}"] if self.tp > 1 else []
+        )
         seq_div = (2 * self.cp if self.cp > 1 else 1) * self.tp
         if seq_len % seq_div:
-            near = max(seq_div, seq_len // seq_div * seq_div)
+            lower = seq_len // seq_div * seq_div
+            fits = f"{lower} or {lower + seq_div}" if lower else f"{seq_div}"
             raise LayoutError(
-                f"seq_len {seq_len} must be divisible by {seq_div} "
-                f"(2 x context_parallel_degree {self.cp} x tensor_parallel_degree {self.tp}); e.g. --training.seq_len {near}"
+                f"seq_len {seq_len} must be divisible by {seq_div} = {' x '.join(factors)}; "
+                f"e.g. --training.seq_len {fits}"
             )
         per_step = local_batch_size * self.dp
         if global_batch_size % per_step:

@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.context_parallel import ContextParallelAttention, RotateMethod, load_balanced_indices
 from torchtitan.distributed.data_parallel import apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
 
@@ -23,7 +24,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
+    """Parallelises `model` (the whole model or one pipeline stage) in place and returns it.
+
+    CP only swaps attention kernels and sets positions, so its order against TP does not matter; FSDP
+    comes last and, with CP on, shards over dp_shard x cp (the cp ranks hold the same parameters).
+    """
     pd = parallel_dims
+    if pd.cp_enabled:
+        apply_cp(
+            model,
+            pd.submesh("cp"),
+            seq_len=job_config.training.seq_len,
+            rotate_method=job_config.parallelism.context_parallel_rotate_method,
+        )
     if pd.tp_enabled:
         apply_tp(model, pd.submesh("tp"), loss_parallel=not job_config.parallelism.disable_loss_parallel)
     if pd.fsdp_enabled:
@@ -81,3 +94,25 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> N
                 "feed_forward.w3": ColwiseParallel(),
             },
         )
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, seq_len: int, rotate_method: RotateMethod) -> None:
+    """Context parallel: this rank sees the load-balanced slice of every sequence (see `shard_batch`).
+
+    Every block's attention becomes ring attention over the cp group, and the model's default positions
+    become the global positions of the slice, so RoPE rotates each token by its true position. Under
+    TP + sequence parallel the attention input is the TP-all-gathered cp slice, which has exactly these
+    positions; the sequence-parallel shards between blocks never index RoPE.
+    """
+    cp_rank, cp_size = cp_mesh.get_local_rank(), cp_mesh.size()
+    for block in model.layers.values():
+        block.attention.inner_attention = ContextParallelAttention(cp_mesh.get_group(), rotate_method)
+    # A plain attribute, not a buffer: `to_empty` would leave a buffer uninitialised, so it is created
+    # directly on this rank's device (the model itself may still be on meta here).
+    model.fixed_positions = load_balanced_indices(seq_len, cp_size, cp_rank).to(_rank_device(cp_mesh))
+
+
+def _rank_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
