@@ -45,6 +45,8 @@ SINGLE_STAGE = ("GPipe", "1F1B")
 LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 SCHEDULES = SINGLE_STAGE + LOOPED + V_SHAPED
+# Schedules that split backward into an input pass and a later weight pass.
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +273,17 @@ def pipeline_model(
         raise LayoutError(
             f"--validation.local_batch_size {v.local_batch_size} must be a multiple of the {plan.n_microbatches} "
             f"pipeline microbatches (validation runs through the same schedule)"
+        )
+    if (
+        plan.schedule in SPLIT_BACKWARD
+        and parallel_dims.fsdp_enabled
+        and job_config.parallelism.fsdp_reshard_after_forward == "always"
+    ):
+        # The weight pass differentiates the parameter objects the input pass saw; FSDP resharding in
+        # between swaps them out and those gradients are silently lost.
+        raise LayoutError(
+            f"{plan.schedule} cannot run with --parallelism.fsdp_reshard_after_forward always (its weight-gradient "
+            f"pass needs the stage's parameters still gathered); use default or never"
         )
     pp_mesh = parallel_dims.submesh("pp")
     pp_rank = pp_mesh.get_local_rank()
