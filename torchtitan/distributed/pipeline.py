@@ -23,6 +23,7 @@ ends with its own FSDP reduce-scatter (torch's schedule drives FSDP's gradient s
 the reduced shards to the gradients already there, so the sum over schedule steps is exact.
 """
 
+import contextlib
 import copy
 import dataclasses
 import difflib
@@ -34,7 +35,9 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleSingle,
+    _ComputationType,
     _PipelineSchedule,
+    _PipelineScheduleRuntime,
     get_schedule_class,
 )
 
@@ -319,12 +322,45 @@ def run_pipeline_step(trainer, inputs: torch.Tensor, labels: torch.Tensor) -> to
     return _on_every_stage(trainer, losses)
 
 
+_FORWARD_ACTIONS = {
+    _ComputationType.FORWARD,
+    _ComputationType.SEND_F,
+    _ComputationType.RECV_F,
+    _ComputationType.UNSHARD,
+    _ComputationType.RESHARD,
+}
+
+
+def _forward_actions(actions: list) -> list:
+    out = []
+    for a in actions:
+        parts = a.sub_actions if a.computation_type == _ComputationType.OVERLAP_F_B else (a,)
+        out += [p for p in parts if p.computation_type in _FORWARD_ACTIONS]
+    return out
+
+
+@contextlib.contextmanager
+def _forward_only(schedule: _PipelineSchedule):
+    """torch 2.13's multi-stage schedules execute their backward actions in eval() as well, and V-shaped
+    ones then fail handing gradients between their two local stages; evaluation keeps the forward
+    actions (and their sends/receives) only."""
+    if not isinstance(schedule, _PipelineScheduleRuntime):
+        yield
+        return
+    full = schedule.pipeline_order_with_comms
+    schedule.pipeline_order_with_comms = {rank: _forward_actions(actions) for rank, actions in full.items()}
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = full
+
+
 def run_pipeline_eval(trainer, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Forward only; returns the summed token loss of the batch on every pp rank."""
     losses: list[torch.Tensor] = []
     # The schedule's loss function is the trainer's scaled loss; a divisor of 1 makes it the plain sum.
     # train_step sets the divisor afresh before every training step.
     trainer._global_tokens = torch.ones((), device=trainer.device)
-    with trainer.autocast, trainer._loss_context():
+    with trainer.autocast, trainer._loss_context(), _forward_only(trainer.pp_schedule):
         trainer.pp_schedule.eval(inputs, target=labels, losses=losses)
     return _on_every_stage(trainer, losses)
