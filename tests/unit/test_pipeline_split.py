@@ -142,7 +142,7 @@ BAD = {
     ),
     "interleaved rounds that do not divide the microbatches": (
         dict(pipeline_parallel_schedule="Interleaved1F1B", local_batch_size=5),
-        "a microbatch count that is a multiple of 2",
+        "rounds of microbatches // pipeline_parallel_degree = 2, which must divide the microbatch count",
     ),
     "microbatch size not dividing the local batch": (
         dict(pipeline_parallel_microbatch_size=3),

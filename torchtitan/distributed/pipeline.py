@@ -190,8 +190,8 @@ def _check_microbatches(schedule: str, n: int, pp: int, num_stages: int, how: st
     # Interleaved schedules run rounds of n // pp microbatches, which must divide n evenly.
     if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and n % max(1, n // pp):
         raise LayoutError(
-            f"{schedule} with pipeline_parallel_degree {pp} needs a microbatch count that is a multiple of "
-            f"{pp} (or below {pp}) but {how} gives {n}; e.g. {n // pp * pp} microbatches"
+            f"{schedule} runs rounds of microbatches // pipeline_parallel_degree = {n // pp}, which must divide "
+            f"the microbatch count, but {how} gives {n}; a multiple of {pp} works, e.g. {n // pp * pp}"
         )
 
 
