@@ -161,16 +161,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
 
-    print(f"## Analytic bubble ({args.microbatches} microbatches; F=1, B=2, I=W=1)\n")
-    print("| schedule | stages/rank | " + " | ".join(f"bubble pp={p}" for p in args.table_pp) + " |")
-    print("|---|---|" + "---|" * len(args.table_pp))
+    # The trainer logs to stdout; the tables are printed together at the end.
+    out = [f"## Analytic bubble ({args.microbatches} microbatches; F=1, B=2, I=W=1)\n",
+           "| schedule | stages/rank | " + " | ".join(f"bubble pp={p}" for p in args.table_pp) + " |",
+           "|---|---|" + "---|" * len(args.table_pp)]
     for name in SCHEDULES:
         cells = []
         for pp in args.table_pp:
             table, per_rank = action_table(name, pp, args.microbatches)
             cells.append(f"{bubble_fraction(table, pp * per_rank, per_rank):.3f}")
-        print(f"| {name} | {1 if name in SINGLE_STAGE else 2} | " + " | ".join(cells) + " |")
+        out.append(f"| {name} | {1 if name in SINGLE_STAGE else 2} | " + " | ".join(cells) + " |")
     if args.no_timing:
+        print("\n".join(out))
         return
 
     common = [
@@ -191,14 +193,15 @@ def main() -> None:
             t = time.perf_counter()
             times[key] += step_times(world, argv)
             print(f"round {r} {key}: {time.perf_counter() - t:.0f}s", file=sys.stderr)
-    print(f"\n## Step time, {args.flavor}, seq {args.seq_len}, batch {args.microbatches} x 1-sequence microbatches, "
-          f"fp32, CPU/gloo ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)\n")
+    out += [f"\n## Step time, {args.flavor}, seq {args.seq_len}, batch {args.microbatches} x 1-sequence microbatches, "
+            f"fp32, CPU/gloo ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)\n",
+            "| layout | median step (s) | vs. no PP |",
+            "|---|---|---|"]
     base = statistics.median(times["no PP (1 rank)"])
-    print("| layout | median step (s) | vs. no PP |")
-    print("|---|---|---|")
     for key, ts in times.items():
         med = statistics.median(ts)
-        print(f"| {key} | {med:.3f} | {med / base:.2f}x |")
+        out.append(f"| {key} | {med:.3f} | {med / base:.2f}x |")
+    print("\n".join(out))
 
 
 if __name__ == "__main__":
