@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from torchtitan.config.job_config import Parallelism
-from torchtitan.distributed.parallel_dims import LayoutError
+from torchtitan.config.job_config import JobConfig, Parallelism
+from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims
 from torchtitan.distributed.pipeline import (
     SCHEDULES,
     module_order,
@@ -190,13 +190,36 @@ def test_bad_layout_gets_one_clear_error(case):
     assert "--" in message or "pipeline_parallel" in message or "schedule" in message, "the message names the knob"
 
 
-def test_pipelining_fn_checks_the_layout_before_building_anything():
-    """llama3's pipelining_fn plans first, so a bad layout fails before any stage or collective exists."""
+def _job(**parallelism):
+    cfg = JobConfig()
+    cfg.parallelism = dataclasses.replace(cfg.parallelism, pipeline_parallel_degree=2, **parallelism)
+    cfg.training.local_batch_size = 4
+    return cfg
+
+
+def _pipeline_llama(cfg, parallel_dims=None):
     from torchtitan.models.llama3.parallelize import pipeline_llama
 
-    p = dataclasses.replace(Parallelism(), pipeline_parallel_degree=2, pipeline_parallel_schedule="DualPipeV")
-    cfg = type("Cfg", (), {"parallelism": p, "training": type("T", (), {"local_batch_size": 2})()})()
     with torch.device("meta"):
         model = Transformer(llama3_flavors["debugmodel_tiny4"])
-    with pytest.raises(LayoutError, match="DualPipeV needs at least"):
-        pipeline_llama(model, None, cfg, torch.device("cpu"), None, None)
+    return pipeline_llama(model, parallel_dims, cfg, torch.device("cpu"), None, None)
+
+
+def test_pipelining_fn_checks_the_layout_before_building_anything():
+    """llama3's pipelining_fn plans first, so a bad layout fails before any stage or collective exists."""
+    with pytest.raises(LayoutError, match="DualPipeV needs at least 2 x pipeline_parallel_degree"):
+        _pipeline_llama(_job(pipeline_parallel_schedule="DualPipeV", pipeline_parallel_microbatch_size=2))
+
+
+def test_validation_batch_must_split_into_the_microbatches():
+    cfg = _job()
+    cfg.validation.enable, cfg.validation.local_batch_size = True, 6
+    with pytest.raises(LayoutError, match="--validation.local_batch_size 6 must be a multiple of the 4"):
+        _pipeline_llama(cfg)
+
+
+def test_zero_bubble_refuses_fsdp_resharding_after_forward():
+    pd = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=2, world_size=4)
+    cfg = _job(pipeline_parallel_schedule="ZBVZeroBubble", fsdp_reshard_after_forward="always")
+    with pytest.raises(LayoutError, match="ZBVZeroBubble cannot run with --parallelism.fsdp_reshard_after_forward"):
+        _pipeline_llama(cfg, pd)
