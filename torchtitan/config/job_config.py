@@ -159,17 +159,20 @@ class Parallelism:
     """Gather the logits instead of computing cross entropy on vocab shards under tensor parallel."""
 
     pipeline_parallel_degree: int = 1
-    """Pipeline stages across ranks."""
+    """Ranks the model is cut across (the "pp" mesh dimension); each holds one stage, or two for looped and
+    V-shaped schedules."""
 
     pipeline_parallel_schedule: str = "1F1B"
-    """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble,
-    DualPipeV."""
+    """Pipeline schedule: GPipe, 1F1B (one stage per rank); Interleaved1F1B, LoopedBFS, InterleavedZeroBubble
+    (>= 2 stages per rank, stage s on rank s % pp); ZBVZeroBubble, DualPipeV (exactly 2 per rank, V-shaped)."""
 
     pipeline_parallel_microbatch_size: int = 1
-    """Sequences per pipeline microbatch."""
+    """Sequences per pipeline microbatch: each schedule step splits the local batch into
+    local_batch_size / this microbatches (>= pp for all but GPipe, >= 2 x pp for V-shaped schedules)."""
 
     pipeline_parallel_layers_per_stage: int | None = None
-    """Transformer layers per pipeline stage (None = split evenly by compute)."""
+    """Transformer layers per pipeline stage, counting the embedding and output as the *_less_layers below;
+    sets the number of stages. None = 1 stage per rank (2 for looped/V schedules), split evenly by compute."""
 
     pipeline_parallel_first_stage_less_layers: int = 1
     """Layers fewer on the first stage, which also holds the embedding."""

@@ -18,9 +18,11 @@ def _reshard_policy(policy: str, is_last: bool, pp_enabled: bool) -> bool:
         return True
     if policy == "never":
         return False
-    # default: reshard everything but the last group, whose parameters backward needs immediately; under
-    # pipeline parallel microbatches interleave, so keeping parameters gathered costs memory for little gain.
-    return not is_last or pp_enabled
+    # default: reshard everything but the last group, whose parameters backward needs immediately. Under
+    # pipeline parallel never: a stage runs forward and backward for many microbatches with the same
+    # parameters, and the pipeline schedule unshards/reshards whole stages itself. Zero-bubble schedules
+    # even require it: their weight-gradient pass reuses the parameters captured in the input pass.
+    return not is_last and not pp_enabled
 
 
 def apply_fsdp(

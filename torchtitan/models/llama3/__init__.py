@@ -10,7 +10,7 @@ from torchtitan.datasets.dataloader import build_text_dataloader
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.flavors import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
-from torchtitan.models.llama3.parallelize import parallelize_llama
+from torchtitan.models.llama3.parallelize import parallelize_llama, pipeline_llama
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.train_spec import TrainSpec, register_train_spec
 
@@ -22,6 +22,7 @@ register_train_spec(
         model_cls=Transformer,
         flavors=llama3_flavors,
         parallelize_fn=parallelize_llama,
+        pipelining_fn=pipeline_llama,
         build_tokenizer_fn=lambda job_config: build_tokenizer(job_config.model.tokenizer_path),
         build_dataloader_fn=build_text_dataloader,
         build_loss_fn=build_cross_entropy_loss,

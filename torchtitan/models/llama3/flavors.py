@@ -29,6 +29,18 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
         rope_scaling=RopeScalingArgs(),
         max_seq_len=2048,
     ),
+    # debugmodel_tiny with 4 layers: enough for 2 pipeline stages per rank on 2 ranks.
+    "debugmodel_tiny4": TransformerModelArgs(
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=2048,
+        multiple_of=64,
+        rope_theta=500000,
+        rope_scaling=RopeScalingArgs(),
+        max_seq_len=2048,
+    ),
     "8B": TransformerModelArgs(
         dim=4096,
         n_layers=32,

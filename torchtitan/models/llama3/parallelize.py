@@ -19,6 +19,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.context_parallel import ContextParallelAttention, RotateMethod, load_balanced_indices
 from torchtitan.distributed.data_parallel import apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.pipeline import pipeline_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,6 +52,21 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             pp_enabled=pd.pp_enabled,
         )
     return model
+
+
+def pipeline_llama(model, parallel_dims, job_config, device, model_args, loss_fn):
+    """Pipeline stages of a Llama 3 model, each parallelised like a whole model by parallelize_llama
+    (so PP x TP x FSDP is one composition). The embedding leads, the final norm and output close."""
+    return pipeline_model(
+        model,
+        parallel_dims,
+        job_config,
+        device,
+        loss_fn,
+        parallelize_fn=parallelize_llama,
+        head=("tok_embeddings",),
+        tail=("norm", "output"),
+    )
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:

@@ -1,0 +1,366 @@
+"""Pipeline parallelism: cut a model into stages, place them on the "pp" ranks, run a torch schedule.
+
+    plan_pipeline (pure: config + module order ─▶ which modules each stage holds, microbatch count)
+    ─▶ split_stage (meta model ─▶ one stage: modules it does not hold are deleted or set to None)
+    ─▶ parallelize_fn per stage (the same TP/FSDP composition as a whole model)
+    ─▶ PipelineStage per local stage ─▶ schedule from torch.distributed.pipelining
+
+A stage keeps the parameter names of the whole model (layers stay keyed by their original index), so
+checkpoints move between pipelined and non-pipelined runs.
+
+Placement: loop-style schedules put stage s on pp rank s % pp; V-shaped ones (ZBVZeroBubble, DualPipeV)
+put stages r and 2*pp-1-r on rank r, so rank 0 holds both the first and the last stage.
+
+Loss scaling: the trainer's loss function already divides each microbatch's summed token loss by the
+token count of the whole optimizer step, so gradients summed over microbatches are the step's mean. The
+schedules are therefore built with scale_grads=False; torch's default (True) would divide the gradients
+by n_microbatches a second time.
+
+Gradient accumulation: one schedule step consumes one local batch (local_batch_size sequences split into
+local_batch_size / pipeline_parallel_microbatch_size microbatches); when global_batch_size asks for more
+sequences per rank, the trainer runs several schedule steps before the optimizer step. Each schedule step
+ends with its own FSDP reduce-scatter (torch's schedule drives FSDP's gradient sync itself); FSDP adds
+the reduced shards to the gradients already there, so the sum over schedule steps is exact.
+"""
+
+import contextlib
+import copy
+import dataclasses
+import difflib
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    _ComputationType,
+    _PipelineSchedule,
+    _PipelineScheduleRuntime,
+    get_schedule_class,
+)
+
+from torchtitan.distributed.parallel_dims import LayoutError
+
+# Schedules by how many stages each rank holds and where they sit.
+SINGLE_STAGE = ("GPipe", "1F1B")
+LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+SCHEDULES = SINGLE_STAGE + LOOPED + V_SHAPED
+# Schedules that split backward into an input pass and a later weight pass.
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+    schedule: str
+    """Canonical schedule name (one of SCHEDULES)."""
+    pp: int
+    stages: tuple[tuple[str, ...], ...]
+    """Module names each stage holds, in pipeline order (e.g. ("tok_embeddings", "layers.0"))."""
+    n_microbatches: int
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.num_stages // self.pp
+
+    def rank_of(self, stage: int) -> int:
+        if self.schedule in V_SHAPED:
+            return stage if stage < self.pp else self.num_stages - 1 - stage
+        return stage % self.pp
+
+    def local_stages(self, pp_rank: int) -> list[int]:
+        return [s for s in range(self.num_stages) if self.rank_of(s) == pp_rank]
+
+
+def schedule_name(name: str) -> str:
+    """The canonical spelling of a schedule name (matching is case-insensitive)."""
+    by_lower = {s.lower(): s for s in SCHEDULES}
+    if name.lower() in by_lower:
+        return by_lower[name.lower()]
+    near = difflib.get_close_matches(name, SCHEDULES, n=2) or list(SCHEDULES)
+    raise LayoutError(
+        f"unknown pipeline schedule {name!r} (--parallelism.pipeline_parallel_schedule); try: {', '.join(near)}"
+    )
+
+
+def module_order(model: nn.Module, head: Sequence[str], tail: Sequence[str]) -> list[str]:
+    """Names of the modules a pipeline is cut between: head modules, every block of `model.layers`
+    (by its key), tail modules."""
+    return [*head, *(f"layers.{k}" for k in model.layers.keys()), *tail]
+
+
+def _stage_sizes(units: int, num_stages: int) -> list[int]:
+    """Splits `units` as evenly as possible; the remainder goes to the stages after the first, because
+    under 1F1B-like schedules the first stage keeps the most microbatches' activations in flight."""
+    base, extra = divmod(units, num_stages)
+    return [base + (1 if 1 <= s <= extra else 0) for s in range(num_stages)]
+
+
+def split_by_compute(
+    order: Sequence[str],
+    n_head: int,
+    n_tail: int,
+    num_stages: int,
+    first_less: int,
+    last_less: int,
+    sizes: Sequence[int] | None = None,
+) -> list[list[str]]:
+    """Distributes the blocks of `order` over `num_stages` stages: the head modules go to the first stage
+    and count as `first_less` blocks of compute, the tail modules to the last stage counting as
+    `last_less` blocks. `sizes` (blocks of compute per stage) defaults to an even split."""
+    layers = list(order[n_head : len(order) - n_tail])
+    units = len(layers) + first_less + last_less
+    sizes = list(sizes) if sizes is not None else _stage_sizes(units, num_stages)
+    counts = list(sizes)
+    counts[0] -= first_less
+    counts[-1] -= last_less
+    stages, start = [], 0
+    for c in counts:
+        stages.append(layers[start : start + max(c, 0)])
+        start += max(c, 0)
+    stages[0] = list(order[:n_head]) + stages[0]
+    stages[-1] = stages[-1] + list(order[len(order) - n_tail :])
+    if min(counts) < 0 or not all(stages):
+        raise LayoutError(
+            f"{len(layers)} transformer layers (+{first_less} for the embedding, +{last_less} for the output) "
+            f"cannot fill {num_stages} pipeline stages; use fewer stages (pipeline_parallel_degree / a schedule "
+            f"with fewer stages per rank), a smaller --parallelism.pipeline_parallel_first_stage_less_layers / "
+            f"last_stage_less_layers, or a deeper model"
+        )
+    return stages
+
+
+def check_explicit_split(fqns_per_stage: Sequence[Sequence[str]], order: Sequence[str]) -> None:
+    """The stages, read in order, must list every module of `order` exactly once and in model order."""
+    flat = [name for stage in fqns_per_stage for name in stage]
+    empty = [i for i, stage in enumerate(fqns_per_stage) if not stage]
+    unknown = [n for n in flat if n not in order]
+    problem = None
+    if empty:
+        problem = f"stage(s) {empty} hold no modules"
+    elif unknown:
+        problem = f"unknown module(s) {unknown}; this model's modules are {order[0]} .. {order[-1]}"
+    elif len(set(flat)) != len(flat):
+        problem = f"module(s) {sorted({n for n in flat if flat.count(n) > 1})} listed more than once"
+    elif flat != list(order):
+        missing = [n for n in order if n not in flat]
+        problem = f"module(s) {missing} missing" if missing else "modules are not in model order"
+    if problem:
+        raise LayoutError(
+            f"--parallelism.module_fqns_per_model_part: {problem}; the stages, read in order, must list "
+            f"{', '.join(order)} each exactly once"
+        )
+
+
+def _check_stage_count(schedule: str, num_stages: int, pp: int, how: str) -> None:
+    per_rank, rem = divmod(num_stages, pp)
+    if rem:
+        raise LayoutError(f"{how} gives {num_stages} pipeline stages, not a multiple of pipeline_parallel_degree {pp}")
+    if schedule in SINGLE_STAGE and per_rank != 1:
+        raise LayoutError(
+            f"{schedule} runs one stage per rank but {how} gives {per_rank} per rank; use Interleaved1F1B, "
+            f"LoopedBFS or InterleavedZeroBubble for several stages per rank"
+        )
+    if schedule in LOOPED and per_rank < 2:
+        raise LayoutError(
+            f"{schedule} needs at least 2 stages per rank but {how} gives {per_rank}; use 1F1B or GPipe for one "
+            f"stage per rank"
+        )
+    if schedule in V_SHAPED and per_rank != 2:
+        raise LayoutError(f"{schedule} needs exactly 2 stages per rank (V shape) but {how} gives {per_rank}")
+
+
+def _check_microbatches(schedule: str, n: int, pp: int, num_stages: int, how: str) -> None:
+    if schedule in V_SHAPED and n < num_stages:
+        raise LayoutError(
+            f"{schedule} needs at least 2 x pipeline_parallel_degree = {num_stages} microbatches but {how} gives "
+            f"{n}; raise --training.local_batch_size or lower --parallelism.pipeline_parallel_microbatch_size"
+        )
+    if schedule != "GPipe" and n < pp:
+        raise LayoutError(
+            f"{schedule} needs at least pipeline_parallel_degree = {pp} microbatches but {how} gives {n}; raise "
+            f"--training.local_batch_size or lower --parallelism.pipeline_parallel_microbatch_size"
+        )
+    # Interleaved schedules run rounds of n // pp microbatches, which must divide n evenly.
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and n % max(1, n // pp):
+        raise LayoutError(
+            f"{schedule} runs rounds of microbatches // pipeline_parallel_degree = {n // pp}, which must divide "
+            f"the microbatch count, but {how} gives {n}; a multiple of {pp} works, e.g. {n // pp * pp}"
+        )
+
+
+def plan_pipeline(p, order: Sequence[str], n_head: int, n_tail: int, local_batch_size: int) -> PipelinePlan:
+    """Checks a pipeline layout and decides the stages and microbatch count; one LayoutError when it
+    cannot work. `p` is the Parallelism config section, `order` the model's module_order."""
+    pp = p.pipeline_parallel_degree
+    schedule = schedule_name(p.pipeline_parallel_schedule)
+    n_layers = len(order) - n_head - n_tail
+    first_less, last_less = p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers
+    if first_less < 0 or last_less < 0:
+        raise LayoutError("pipeline_parallel_first_stage_less_layers / last_stage_less_layers must be >= 0")
+    if p.module_fqns_per_model_part is not None:
+        check_explicit_split(p.module_fqns_per_model_part, order)
+        stages = [list(s) for s in p.module_fqns_per_model_part]
+        _check_stage_count(schedule, len(stages), pp, "--parallelism.module_fqns_per_model_part")
+    elif p.pipeline_parallel_layers_per_stage is not None:
+        per = p.pipeline_parallel_layers_per_stage
+        units = n_layers + first_less + last_less
+        if per < 1 or units % per:
+            fits = [d for d in range(1, units + 1) if units % d == 0 and (units // d) % pp == 0]
+            raise LayoutError(
+                f"--parallelism.pipeline_parallel_layers_per_stage {per} must divide {n_layers} layers + "
+                f"{first_less} (embedding) + {last_less} (output) = {units}; values that fit pp {pp}: {fits}"
+            )
+        num_stages = units // per
+        _check_stage_count(schedule, num_stages, pp, f"pipeline_parallel_layers_per_stage {per}")
+        stages = split_by_compute(order, n_head, n_tail, num_stages, first_less, last_less, [per] * num_stages)
+    else:
+        per_rank = 1 if schedule in SINGLE_STAGE else 2
+        stages = split_by_compute(order, n_head, n_tail, pp * per_rank, first_less, last_less)
+
+    mbs = p.pipeline_parallel_microbatch_size
+    if mbs < 1 or local_batch_size % mbs:
+        raise LayoutError(
+            f"--training.local_batch_size {local_batch_size} is not a multiple of "
+            f"--parallelism.pipeline_parallel_microbatch_size {mbs}"
+        )
+    n = local_batch_size // mbs
+    _check_microbatches(schedule, n, pp, len(stages), f"local_batch_size {local_batch_size} / microbatch size {mbs}")
+    return PipelinePlan(schedule, pp, tuple(tuple(s) for s in stages), n)
+
+
+def split_stage(model: nn.Module, keep: Sequence[str], head: Sequence[str], tail: Sequence[str]) -> nn.Module:
+    """A copy of the (meta) model holding only the modules named in `keep`: other blocks are deleted from
+    `model.layers`, other head/tail modules set to None. Parameter names stay those of the whole model."""
+    stage = copy.deepcopy(model)
+    for key in list(stage.layers.keys()):
+        if f"layers.{key}" not in keep:
+            del stage.layers[key]
+    for name in (*head, *tail):
+        if name not in keep:
+            setattr(stage, name, None)
+    return stage
+
+
+def build_schedule(plan: PipelinePlan, stages: list[PipelineStage], loss_fn: Callable) -> _PipelineSchedule:
+    cls = get_schedule_class(plan.schedule)
+    # scale_grads=False: loss_fn is already normalised by the step's token count (see the module docstring).
+    if issubclass(cls, PipelineScheduleSingle):
+        return cls(stages[0], n_microbatches=plan.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages, n_microbatches=plan.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def pipeline_model(
+    model: nn.Module,
+    parallel_dims,
+    job_config,
+    device: torch.device,
+    loss_fn: Callable,
+    *,
+    parallelize_fn: Callable,
+    head: Sequence[str],
+    tail: Sequence[str],
+) -> tuple[_PipelineSchedule, list[nn.Module]]:
+    """Splits a meta model into this rank's stages, parallelises each with `parallelize_fn` (the same
+    function a whole model gets), and returns (schedule, stage modules in stage order)."""
+    order = module_order(model, head, tail)
+    plan = plan_pipeline(job_config.parallelism, order, len(head), len(tail), job_config.training.local_batch_size)
+    v = job_config.validation
+    if v.enable and v.local_batch_size % plan.n_microbatches:
+        raise LayoutError(
+            f"--validation.local_batch_size {v.local_batch_size} must be a multiple of the {plan.n_microbatches} "
+            f"pipeline microbatches (validation runs through the same schedule)"
+        )
+    if (
+        plan.schedule in SPLIT_BACKWARD
+        and parallel_dims.fsdp_enabled
+        and job_config.parallelism.fsdp_reshard_after_forward == "always"
+    ):
+        # The weight pass differentiates the parameter objects the input pass saw; FSDP resharding in
+        # between swaps them out and those gradients are silently lost.
+        raise LayoutError(
+            f"{plan.schedule} cannot run with --parallelism.fsdp_reshard_after_forward always (its weight-gradient "
+            f"pass needs the stage's parameters still gathered); use default or never"
+        )
+    pp_mesh = parallel_dims.submesh("pp")
+    pp_rank = pp_mesh.get_local_rank()
+    parts, stages = [], []
+    for s in plan.local_stages(pp_rank):
+        part = parallelize_fn(split_stage(model, plan.stages[s], head, tail), parallel_dims, job_config)
+        parts.append(part)
+        # No example inputs: the stages infer activation shapes from the first microbatch (and again when
+        # switching between training and validation), including sequence-sharded hidden states under TP.
+        stages.append(PipelineStage(part, s, plan.num_stages, device, group=pp_mesh.get_group()))
+    return build_schedule(plan, stages, loss_fn), parts
+
+
+def _on_every_stage(trainer, losses: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of the last stage's microbatch losses, on every pp rank (the others contribute zero)."""
+    from torchtitan.train import _value
+
+    total = torch.zeros((), device=trainer.device)
+    for loss in losses:
+        total += _value(loss)
+    dist.all_reduce(total, group=trainer.parallel_dims.submesh("pp").get_group())
+    return total
+
+
+def run_pipeline_step(trainer, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Forward and backward of one local batch through the schedule; returns its scaled loss (the sum of
+    the microbatches' token losses over the step's global token count) on every pp rank.
+
+    Every pp rank passes the same batch: the first stage reads the inputs, the last the labels."""
+    losses: list[torch.Tensor] = []
+    with trainer.autocast, trainer._loss_context():
+        trainer.pp_schedule.step(inputs, target=labels, losses=losses, return_outputs=False)
+    return _on_every_stage(trainer, losses)
+
+
+_FORWARD_ACTIONS = {
+    _ComputationType.FORWARD,
+    _ComputationType.SEND_F,
+    _ComputationType.RECV_F,
+    _ComputationType.UNSHARD,
+    _ComputationType.RESHARD,
+}
+
+
+def _forward_actions(actions: list) -> list:
+    out = []
+    for a in actions:
+        parts = a.sub_actions if a.computation_type == _ComputationType.OVERLAP_F_B else (a,)
+        out += [p for p in parts if p.computation_type in _FORWARD_ACTIONS]
+    return out
+
+
+@contextlib.contextmanager
+def _forward_only(schedule: _PipelineSchedule):
+    """torch 2.13's multi-stage schedules execute their backward actions in eval() as well, and V-shaped
+    ones then fail handing gradients between their two local stages; evaluation keeps the forward
+    actions (and their sends/receives) only."""
+    if not isinstance(schedule, _PipelineScheduleRuntime):
+        yield
+        return
+    full = schedule.pipeline_order_with_comms
+    schedule.pipeline_order_with_comms = {rank: _forward_actions(actions) for rank, actions in full.items()}
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = full
+
+
+def run_pipeline_eval(trainer, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Forward only; returns the summed token loss of the batch on every pp rank."""
+    losses: list[torch.Tensor] = []
+    # The schedule's loss function is the trainer's scaled loss; a divisor of 1 makes it the plain sum.
+    # train_step sets the divisor afresh before every training step.
+    trainer._global_tokens = torch.ones((), device=trainer.device)
+    with trainer.autocast, trainer._loss_context(), _forward_only(trainer.pp_schedule):
+        trainer.pp_schedule.eval(inputs, target=labels, losses=losses)
+    return _on_every_stage(trainer, losses)
