@@ -11,7 +11,6 @@ The negative control drops the true RoPE positions (every cp rank rotates its sl
 0): the model still trains, so only a parity check can notice, and it must.
 """
 
-import importlib.util
 
 import pytest
 import torch
@@ -134,11 +133,6 @@ def test_parity_check_catches_wrong_positions(reference, tmp_path):
         assert_parity(curves(steps), reference)
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("torchtitan.distributed.pipeline") is None,
-    reason="4D (PP 2 x TP 2 x CP 2) needs pipeline parallel: torchtitan.distributed.pipeline does not exist "
-    "on this branch yet (built on feat-pp)",
-)
 def test_4d_pp2_tp2_cp2_matches_single_process(reference, tmp_path):
     argv = CP2 + ["--parallelism.context_parallel_rotate_method", "alltoall",
                   "--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
