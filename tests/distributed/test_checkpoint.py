@@ -5,6 +5,8 @@
 * Another layout: a run preempted under FSDP 4 resumes under TP 2 x FSDP 2 and under one process; the next 10
   steps match the uninterrupted single-process run within the 2D parity tolerances (test_parity_2d.py). The
   negative control resumes without the data loader state (samples repeat) and must fail that check.
+* Pipeline: a run preempted under PP 2 resumes in one process, and a single-process checkpoint resumes under
+  PP 2 (parameter names are the unsplit model's, so the checkpoint does not care), within the same tolerances.
 * Fault: a run SIGKILLed while its async save of step 10 is being written resumes from step 5, reports the
   unfinished folder, and continues bit-identically.
 """
@@ -30,6 +32,7 @@ FSDP2 = (2, ["--parallelism.data_parallel_shard_degree", "2", "--training.local_
 FSDP4 = (4, ["--parallelism.data_parallel_shard_degree", "4", "--training.local_batch_size", "2"])
 TP2_FSDP2 = (4, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
                  "--training.local_batch_size", "4"])
+PP2 = (2, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"])
 ASYNC = ["--checkpoint.async_mode", "async"]
 
 
@@ -97,9 +100,12 @@ def test_exact_resume_fsdp2_async(tmp_path_factory):
     assert_identical(steps, straight)
 
 
-def _resume_in(layout, fsdp4_preempted, folder, extra=()):
-    source, _ = fsdp4_preempted
+def _copy_checkpoint(source: str, folder: str) -> None:
     shutil.copytree(os.path.join(source, "checkpoint"), os.path.join(folder, "checkpoint"))
+
+
+def _resume_in(layout, fsdp4_preempted, folder, extra=()):
+    _copy_checkpoint(fsdp4_preempted[0], folder)
     steps = resume(layout, list(extra), folder)
     assert [m["step"] for m in steps] == list(range(11, 21))
     return steps
@@ -114,6 +120,19 @@ def test_fsdp4_run_matches_before_preemption(fsdp4_preempted, straight_single):
 def test_resume_under_another_layout(layout, fsdp4_preempted, straight_single, tmp_path):
     target = {"tp2_fsdp2": TP2_FSDP2, "single": SINGLE}[layout]
     steps = _resume_in(target, fsdp4_preempted, str(tmp_path))
+    assert_parity(curves(steps), curves(straight_single[10:]))
+
+
+@pytest.mark.parametrize("direction", ["pp2_to_single", "single_to_pp2"])
+def test_checkpoint_moves_between_pipelined_and_plain_runs(direction, straight_single, tmp_path):
+    source, target = (PP2, SINGLE) if direction == "pp2_to_single" else (SINGLE, PP2)
+    first = str(tmp_path / "first")
+    before = preempted_at_10(source, [], first)
+    assert_parity(curves(before), curves(straight_single[:10]))
+    second = str(tmp_path / "second")
+    _copy_checkpoint(first, second)
+    steps = resume(target, [], second)
+    assert [m["step"] for m in steps] == list(range(11, 21))
     assert_parity(curves(steps), curves(straight_single[10:]))
 
 
