@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components import checkpoint as ckpt
+from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.metrics import MetricsLogger, throughput_metrics
 from torchtitan.components.optimizer import build_optimizers
@@ -257,8 +258,6 @@ class Trainer:
 
     def train_step(self, microbatches) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the rank's microbatches; returns (global loss, grad norm), unsynced."""
-        from torchtitan.components.loss import IGNORE_INDEX
-
         microbatches = [shard_batch(mb, *self.parallel_dims.coordinate("cp")) for mb in microbatches]
         local_tokens = sum((lab != IGNORE_INDEX).sum() for _, lab in microbatches)
         # Every rank divides by the same global count, so summed gradients give the global mean.
@@ -311,8 +310,6 @@ class Trainer:
             m.eval()
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
-        from torchtitan.components.loss import IGNORE_INDEX
-
         for i, (inputs, labels) in enumerate(loader):
             if 0 <= v.steps <= i:
                 break
