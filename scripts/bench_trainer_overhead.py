@@ -3,9 +3,11 @@
 Both sides: the same model flavor and initial weights, batch, seq_len, compute dtype (bf16 autocast by
 default, as the default CPU recipe), AdamW step and gradient clipping. The trainer side runs its real loop
 (data loading from the shipped corpus, token counting, loss scaling, metrics every `log_freq` steps); the
-bare side feeds pre-built tensors. Blocks of steps alternate A/B/A/B after a warm-up; medians are reported.
+bare side feeds pre-built tensors. The two alternate step by step inside one `trainer.train()` call: after
+each trainer step one bare step runs, so both see the same machine conditions. A trainer step's time is its
+whole loop iteration (everything outside `train_step` plus `train_step`); medians after a warm-up.
 
-    python scripts/bench_trainer_overhead.py [--flavor debugmodel] [--seq-len 256] [--batch 8] [--blocks 6]
+    python scripts/bench_trainer_overhead.py [--flavor debugmodel] [--seq-len 256] [--batch 8] [--steps 60]
 """
 
 import argparse
@@ -24,19 +26,11 @@ def build_trainer(args, dump):
 
     cfg = ConfigManager().parse_args([
         "--model.flavor", args.flavor, "--training.seq_len", str(args.seq_len),
-        "--training.local_batch_size", str(args.batch), "--training.steps", "0",
+        "--training.local_batch_size", str(args.batch), "--training.steps", str(args.warmup + args.steps),
         "--training.mixed_precision_param", args.dtype, "--metrics.log_freq", "10",
-        "--lr_scheduler.warmup_steps", "1", "--training.steps", "100000", "--job.dump_folder", dump,
+        "--lr_scheduler.warmup_steps", "1", "--job.dump_folder", dump,
     ])
     return Trainer(cfg)
-
-
-def run_trainer_block(trainer, n):
-    """n steps of the trainer's own loop (train() runs until training.steps)."""
-    trainer.cfg.training.steps = trainer.train_state.step + n
-    t0 = time.perf_counter()
-    trainer.train()
-    return time.perf_counter() - t0
 
 
 def make_bare(trainer, args):
@@ -70,31 +64,44 @@ def main():
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--steps-per-block", type=int, default=10)
-    p.add_argument("--blocks", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=60)
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import logging
 
+    trainer_s, bare_s = [], []
     with tempfile.TemporaryDirectory() as dump:
         trainer = build_trainer(args, dump)
         logging.getLogger("torchtitan").setLevel(logging.WARNING)
         bare = make_bare(trainer, args)
-        run_trainer_block(trainer, 3)  # warm-up both: allocator, autocast caches, thread pool
-        bare(3)
-        tok = args.batch * args.seq_len * args.steps_per_block
-        t_tps, b_tps = [], []
-        for _ in range(args.blocks):
-            t_tps.append(tok / run_trainer_block(trainer, args.steps_per_block))
-            b_tps.append(tok / bare(args.steps_per_block))
+        real_step = trainer.train_step
+        last = {"exit": None, "step": 0.0}
+
+        def interleaved(microbatches):
+            enter = time.perf_counter()
+            if last["exit"] is not None and trainer.train_state.step >= args.warmup:
+                trainer_s.append(enter - last["exit"] + last["step"])
+                bare_s.append(last["bare"])
+            t0 = time.perf_counter()
+            out = real_step(microbatches)
+            last["step"] = time.perf_counter() - t0
+            last["bare"] = bare(1)
+            last["exit"] = time.perf_counter()
+            return out
+
+        trainer.train_step = interleaved
+        trainer.train()
         trainer.close()
+    tok = args.batch * args.seq_len
+    t_tps, b_tps = [tok / t for t in trainer_s], [tok / t for t in bare_s]
     tm, bm = statistics.median(t_tps), statistics.median(b_tps)
     print(f"model {args.flavor}, batch {args.batch} x seq {args.seq_len}, {args.dtype}, "
-          f"threads {torch.get_num_threads()}, {args.blocks} blocks of {args.steps_per_block} steps (interleaved)")
+          f"threads {torch.get_num_threads()}, {len(t_tps)} steps each after {args.warmup} warm-up (alternating)")
     print(f"{'':>8} {'median tok/s':>13} {'min':>9} {'max':>9}")
     print(f"{'bare':>8} {bm:13,.0f} {min(b_tps):9,.0f} {max(b_tps):9,.0f}")
     print(f"{'trainer':>8} {tm:13,.0f} {min(t_tps):9,.0f} {max(t_tps):9,.0f}")
-    print(f"trainer overhead: {100 * (bm / tm - 1):+.1f}% (step time, trainer vs bare, medians)")
+    print(f"trainer overhead: {100 * (bm / tm - 1):+.1f}% (median step time, trainer vs bare)")
 
 
 if __name__ == "__main__":
