@@ -1,0 +1,90 @@
+"""torch.compile of the model (per transformer block) and of the loss, and async tensor parallel.
+
+Regional compilation: each transformer block is compiled on its own (`Module.compile`, which keeps parameter
+names unchanged) rather than the whole model. All blocks share one graph (dynamo treats a block's parameters as
+graph inputs), so compile time does not grow with depth, and the FSDP2 hooks and pipeline cuts between blocks
+stay outside the graphs. `fullgraph=True`: a block that breaks the graph is a bug to fix, not a silent slowdown.
+
+Order in a parallelizer: TP ▸ AC ▸ compile ▸ FSDP. Compile sees the TP-sharded (DTensor) block and the AC
+wrapper, and FSDP then wraps the compiled blocks.
+
+Compiled artefacts are cached on disk (`TORCHINDUCTOR_CACHE_DIR`, default `$TORCHTITAN_CACHE_DIR/inductor` or
+`~/.cache/torchtitan/inductor`), so a second run of the same shapes, a test suite or a CI job that already ran
+once loads kernels instead of compiling them.
+"""
+
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.tools.logging import logger
+
+COMPONENTS = ("model", "loss")
+
+
+def inductor_cache_dir() -> str:
+    """Where compiled kernels are cached: $TORCHINDUCTOR_CACHE_DIR, set here to the project cache if unset.
+
+    Set through the environment (not inductor's config) so that spawned ranks and compile workers inherit it.
+    Importing torch._dynamo, which almost any torch code does (even building a model on meta), writes torch's
+    own default (/tmp/torchinductor_$USER, lost at reboot) into the variable, so that value counts as unset.
+    Inductor reads the variable whenever it opens its caches, so setting it before the first compile suffices.
+    """
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+        base = os.environ.get("TORCHTITAN_CACHE_DIR", str(Path.home() / ".cache" / "torchtitan"))
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(base) / "inductor")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def compiles(job_config: JobConfig, component: str) -> bool:
+    return job_config.compile.enable and component in job_config.compile.components
+
+
+def check_compile_config(job_config: JobConfig, device_type: str) -> None:
+    """Raises ValueError (one line) for compile / async-TP settings that cannot run."""
+    unknown = [c for c in job_config.compile.components if c not in COMPONENTS]
+    if unknown:
+        raise ValueError(
+            f"--compile.components {','.join(unknown)} unknown; choose from {','.join(COMPONENTS)}"
+        )
+    if job_config.parallelism.enable_async_tensor_parallel:
+        why = None
+        if device_type != "cuda":
+            why = f"it needs CUDA GPUs with symmetric memory (this run is on {device_type})"
+        elif not compiles(job_config, "model"):
+            why = "it is done by the compiler: add --compile.enable with 'model' in --compile.components"
+        elif job_config.parallelism.tensor_parallel_degree <= 1:
+            why = "tensor parallel is off: set --parallelism.tensor_parallel_degree > 1"
+        if why:
+            raise ValueError(f"--parallelism.enable_async_tensor_parallel cannot be used: {why}")
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compiles each transformer block of `model.layers` in place."""
+    inductor_cache_dir()
+    for block in model.layers.values():
+        block.compile(fullgraph=True)
+    logger.info(f"Compiling {len(model.layers)} transformer blocks (cache: {inductor_cache_dir()})")
+
+
+def compile_loss(loss_fn):
+    """The loss compiled: fuses the fp32 upcast of the logits into the softmax instead of materialising it."""
+    inductor_cache_dir()
+    logger.info("Compiling the loss")
+    return torch.compile(loss_fn)
+
+
+def enable_async_tp(tp_mesh: DeviceMesh) -> None:
+    """Lets inductor overlap TP all-gathers / reduce-scatters with the matmuls they feed (micro-pipelining
+    through symmetric memory). Must run before the blocks are first compiled."""
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    logger.info("Async tensor parallel enabled")
