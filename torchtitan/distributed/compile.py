@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.config.job_config import JobConfig
@@ -65,11 +66,21 @@ def check_compile_config(job_config: JobConfig, device_type: str) -> None:
             raise ValueError(f"--parallelism.enable_async_tensor_parallel cannot be used: {why}")
 
 
+def _wait_for_async_output(module: nn.Module, inputs, output):
+    # Under TP the embedding's output is an AsyncCollectiveTensor (its reduce-scatter still in flight). Fed to a
+    # compiled block, its gradient comes back as a plain tensor where DTensor's backward needs a DTensor
+    # (torch 2.13: AttributeError '_local_tensor'). A clone waits for the collective inside autograd, so the
+    # block gets a plain tensor and the gradient path to the embedding stays intact. (`.wait()` would cut it.)
+    return output.clone() if isinstance(output, AsyncCollectiveTensor) else None
+
+
 def apply_compile(model: nn.Module) -> None:
     """Compiles each transformer block of `model.layers` in place."""
     inductor_cache_dir()
     for block in model.layers.values():
         block.compile(fullgraph=True)
+    if getattr(model, "tok_embeddings", None) is not None:
+        model.tok_embeddings.register_forward_hook(_wait_for_async_output)
     logger.info(f"Compiling {len(model.layers)} transformer blocks (cache: {inductor_cache_dir()})")
 
 
