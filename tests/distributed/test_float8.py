@@ -7,7 +7,10 @@ smooths the per-batch noise and keeps drift. Measured: see GAP_LIMIT.
 
 Layouts: float8 on FSDP 2 and TP 2 must match float8 on one process (fp32, the parity recipe) within the
 parity-test tolerances: tensorwise scales come from the amax of the whole tensor (all-reduced when sharded),
-so every layout casts the same values to float8 and only fp32 summation order differs.
+so every layout casts the same values to float8 and only fp32 summation order differs, provided every forward
+sees the same microbatch (activation scales are per forward). The first 3 steps must match within the parity
+tolerances; after that float8 rounding amplifies fp32 noise (measured <= 4.5e-4 relative loss by step 10), so
+the whole curve is held to 2e-3.
 """
 
 import pytest
@@ -21,8 +24,9 @@ pytestmark = pytest.mark.distributed
 F8 = ["--model.converters", "float8", "--float8.emulate"]
 CURVE_ARGS = ["--training.steps", "50", "--training.local_batch_size", "8",
               "--training.mixed_precision_param", "bfloat16", "--optimizer.lr", "1e-2"]
-# Measured gap 0.0?? (see docs/float8.md); the limit leaves room for platform rounding differences.
-GAP_LIMIT = 0.05
+# Measured: float8 0.0050; float8 with its scaling broken (test below) 0.060. The limit sits between, 4x above
+# the healthy gap so that platform rounding differences do not flip it.
+GAP_LIMIT = 0.02
 
 
 def _count_float8_linears(trainer) -> int:
@@ -83,9 +87,16 @@ def test_gap_check_catches_unscaled_float8(bf16_curve, tmp_path):
     assert gap > GAP_LIMIT
 
 
+# Dynamic scaling takes each forward's activation amax over its microbatch, so layouts are compared with the
+# same microbatches (2 sequences): a 4-sequence microbatch has another amax, other scales and other roundings
+# (measured: 0.6% loss difference by step 9, far above the parity tolerance).
+MICROBATCH_2 = ["--training.local_batch_size", "2"]
+EARLY_STEPS, CURVE_RTOL = 3, 2e-3
+
+
 @pytest.fixture(scope="module")
 def float8_reference(tmp_path_factory):
-    steps, _ = train(1, ["--training.local_batch_size", "4"] + F8, str(tmp_path_factory.mktemp("f8ref")))
+    steps, _ = train(1, MICROBATCH_2 + F8, str(tmp_path_factory.mktemp("f8ref")))
     return curves(steps)
 
 
@@ -100,6 +111,11 @@ def float8_reference(tmp_path_factory):
 )
 def test_float8_layout_matches_single_process(layout, extra, float8_reference, tmp_path):
     world, argv = LAYOUTS[layout]
-    steps, counts = train(world, argv + F8 + extra, str(tmp_path), probe=_count_float8_linears)
+    steps, counts = train(world, argv + MICROBATCH_2 + F8 + extra, str(tmp_path), probe=_count_float8_linears)
     assert all(c == 2 * 7 for c in counts)
-    assert_parity(curves(steps), float8_reference)
+    loss, gnorm = curves(steps)
+    ref_loss, ref_gnorm = float8_reference
+    # The first steps agree to fp32 noise, like any layout; later the noise flips an occasional float8 rounding
+    # (one e4m3 step is 6%) and the curves drift apart, measured up to 4.5e-4 relative by step 10.
+    assert_parity((loss[:EARLY_STEPS], gnorm[:EARLY_STEPS]), (ref_loss[:EARLY_STEPS], ref_gnorm[:EARLY_STEPS]))
+    torch.testing.assert_close(loss, ref_loss, rtol=CURVE_RTOL, atol=0)

@@ -63,11 +63,17 @@ def _check_hardware(recipe: str, emulate: bool, device: torch.device) -> None:
         )
 
 
-def uses_float8_tensor_parallel(job_config: JobConfig) -> bool:
+def uses_float8_tensor_parallel(job_config: JobConfig, device_type: str) -> bool:
     """Whether TP should use the float8 parallel styles (casts to float8 before the collectives, so that TP
     all-gathers move float8 bytes). Only tensorwise scales survive a sharded cast: one amax all-reduce per
-    tensor gives every rank the same scale, while rowwise would need the scales of rows on other ranks."""
-    return "float8" in job_config.model.converters and job_config.float8.recipe_name == "tensorwise"
+    tensor gives every rank the same scale, while rowwise would need the scales of rows on other ranks. gloo
+    cannot move float8 tensors ("Invalid scalar type"), so on CPU the plain styles gather high-precision
+    activations and the Float8Linear casts after the gather: the same numbers, more bytes."""
+    return (
+        "float8" in job_config.model.converters
+        and job_config.float8.recipe_name == "tensorwise"
+        and device_type == "cuda"
+    )
 
 
 class Float8Converter:

@@ -27,7 +27,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
     pd = parallel_dims
-    check_compile_config(job_config, "cuda" if torch.cuda.is_available() else "cpu")
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    check_compile_config(job_config, device_type)
     compile_model = compiles(job_config, "model")
     if pd.tp_enabled:
         if job_config.parallelism.enable_async_tensor_parallel:
@@ -36,7 +37,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             model,
             pd.submesh("tp"),
             loss_parallel=not job_config.parallelism.disable_loss_parallel,
-            float8=uses_float8_tensor_parallel(job_config),
+            float8=uses_float8_tensor_parallel(job_config, device_type),
         )
     apply_ac(model, job_config.activation_checkpoint, model_compiled=compile_model)
     if compile_model:
