@@ -13,9 +13,14 @@ the end (they train on the same batches).
 import argparse
 import dataclasses
 import statistics
+import sys
 import time
 
+from pathlib import Path
+
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, not an installed copy
 
 from torchtitan.components.loss import cross_entropy_sum
 from torchtitan.config.job_config import ActivationCheckpoint

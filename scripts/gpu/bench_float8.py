@@ -22,7 +22,11 @@ import statistics
 import sys
 import time
 
+from pathlib import Path
+
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout, not an installed copy
 
 from torchtitan.components.loss import cross_entropy_sum
 from torchtitan.components.quantization import build_model_converters
