@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, n
 from torchtitan.components.loss import cross_entropy_sum
 from torchtitan.config.job_config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.distributed.compile import apply_compile, compile_loss, inductor_cache_dir
+from torchtitan.distributed.compile import apply_compile, compile_loss, configure_compile_cache
 from torchtitan.models.llama3 import Transformer, llama3_flavors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -40,7 +40,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--ac", choices=["none", "full", "op"], default="none")
     a = p.parse_args()
-    inductor_cache_dir()
+    configure_compile_cache()
     args = dataclasses.replace(llama3_flavors[a.flavor], max_seq_len=max(a.seq_len, 2048))
     ac = ActivationCheckpoint(mode={"none": "none", "full": "full", "op": "selective"}[a.ac])
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout, n
 from torchtitan.components.loss import cross_entropy_sum
 from torchtitan.components.quantization import build_model_converters
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.compile import apply_compile, compile_loss, inductor_cache_dir
+from torchtitan.distributed.compile import apply_compile, compile_loss, configure_compile_cache
 from torchtitan.distributed.parallel_dims import parallel_dims_from_config
 from torchtitan.models.llama3 import Transformer, llama3_flavors
 from torchtitan.tools.device_peak import peak_flops
@@ -109,7 +109,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA GPU (float8 tensor cores: H100/H200 class)", file=sys.stderr)
         return 1
-    inductor_cache_dir()
+    configure_compile_cache()
     device = torch.device("cuda", 0)
     name = torch.cuda.get_device_name(device)
     results, skipped = {}, {}
