@@ -25,6 +25,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.metrics import MetricsLogger, throughput_metrics
 from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.quantization import build_model_converters
 from torchtitan.config import ConfigError, ConfigManager, JobConfig
 from torchtitan.config.manager import save_config, to_toml
 from torchtitan.distributed import utils as dist_utils
@@ -149,6 +150,8 @@ class Trainer:
             model = self.spec.model_cls(self.model_args)
         # Cast on meta: init_weights then rebuilds derived fp32 buffers (e.g. the RoPE table) at full precision.
         model.to(param_dtype)
+        self.converters = build_model_converters(cfg, pd, self.device)
+        self.converters.convert(model)
         self.num_params, non_embedding = count_params(model)
         self.flops_per_token = self.model_args.flops_per_token(non_embedding, cfg.training.seq_len)
         logger.info(
@@ -190,8 +193,8 @@ class Trainer:
         self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.metrics, self.rank, dataclasses.asdict(cfg))
         self.memory = MemoryMonitor(self.device)
         compute_dtype = param_dtype if param_dtype != torch.float32 else mp
-        if "float8" in cfg.model.converters:
-            compute_dtype = torch.float8_e4m3fn
+        # The peak of the dtype the matmuls really run in: fp8 for float8, fp32 when float8 is emulated.
+        compute_dtype = self.converters.matmul_dtype(compute_dtype)
         self.peak_flops = peak_flops(self.device, compute_dtype)
         dist_utils.set_pg_timeout(cfg.comm.train_timeout_seconds)
 
@@ -283,6 +286,7 @@ class Trainer:
         )
         self._step_lr = self.optimizers.param_groups[0]["lr"]  # the LR this step trained with
         self.optimizers.step()
+        self.converters.post_optimizer_hook(self.model_parts)
         self.lr_schedulers.step()
         self.optimizers.zero_grad()
         return loss_sum, grad_norm
@@ -347,6 +351,7 @@ class Trainer:
             f"Training {cfg.training.steps} steps: global batch {self.global_batch_size} x seq {cfg.training.seq_len}, "
             f"{self.grad_accum} microbatch(es) per rank, layout {self.parallel_dims}"
         )
+        first_step = self.train_state.step + 1
         with profiler, contextlib.ExitStack() as cleanup:
             if preemption is not None:
                 cleanup.callback(preemption.close)
@@ -364,6 +369,11 @@ class Trainer:
                 self.train_state.step = step
                 self.train_state.tokens_seen += tokens_per_step
                 window_tokens += tokens_per_step
+                if step == first_step:
+                    # The first step compiles and warms up: it is reported as first_step_s, and the throughput
+                    # window starts after it.
+                    first_step_s = time.perf_counter() - window_start
+                    window_start, window_tokens, data_time = time.perf_counter(), 0, 0.0
                 if not torch.isfinite(grad_norm):
                     raise TrainingError(
                         f"loss or gradients became non-finite at step {step} (local loss {loss.item():.4g}, "
@@ -374,17 +384,20 @@ class Trainer:
                 if step == 1 or step % cfg.metrics.log_freq == 0 or last:
                     global_loss = self._reduce_over(loss.detach().clone(), "dp_cp")
                     elapsed = time.perf_counter() - window_start
-                    metrics = {
-                        "loss": global_loss.item(),
-                        "grad_norm": grad_norm.item(),
-                        "lr": self._step_lr,
-                        **throughput_metrics(
+                    speed = {"first_step_s": first_step_s}  # a window holding only the first step
+                    if window_tokens:
+                        speed = throughput_metrics(
                             tokens=window_tokens / self.world_size,
                             seconds=elapsed,
                             flops_per_token=self.flops_per_token,
                             peak_flops=self.peak_flops,
-                        ),
-                        "data_loading_pct": 100.0 * data_time / max(elapsed, 1e-9),
+                        )
+                        speed["data_loading_pct"] = 100.0 * data_time / max(elapsed, 1e-9)
+                    metrics = {
+                        "loss": global_loss.item(),
+                        "grad_norm": grad_norm.item(),
+                        "lr": self._step_lr,
+                        **speed,
                         "tokens_seen": self.train_state.tokens_seen,
                         **self.memory.get_peak_stats(),
                     }

@@ -20,4 +20,6 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 
 
 def build_cross_entropy_loss(job_config: JobConfig):
-    return cross_entropy_sum
+    from torchtitan.distributed.compile import compile_loss, compiles
+
+    return compile_loss(cross_entropy_sum) if compiles(job_config, "loss") else cross_entropy_sum

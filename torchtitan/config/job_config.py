@@ -158,6 +158,10 @@ class Parallelism:
     disable_loss_parallel: bool = False
     """Gather the logits instead of computing cross entropy on vocab shards under tensor parallel."""
 
+    enable_async_tensor_parallel: bool = False
+    """Overlap tensor-parallel collectives with the matmuls they feed (inductor micro-pipelining over symmetric
+    memory). Needs CUDA, tensor parallel and --compile.enable with the model compiled."""
+
     pipeline_parallel_degree: int = 1
     """Ranks the model is cut across (the "pp" mesh dimension); each holds one stage, or two for looped and
     V-shaped schedules."""
@@ -271,12 +275,16 @@ class Profiling:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: Literal["none", "full", "selective"] = "none"
-    """Recompute activations in backward: none, full (every block), selective (see selective_ac_option)."""
+    mode: Literal["none", "full", "selective", "memory_budget"] = "none"
+    """Recompute activations in backward: none, full (every block), selective (see selective_ac_option), or
+    memory_budget (the compiler picks what to save under `memory_budget`; needs compile of the model)."""
 
     selective_ac_option: str = "op"
     """Selective AC: an integer k checkpoints every k-th block; "op" saves matmul and attention outputs and
     recomputes the cheap element-wise ops."""
+
+    memory_budget: float = 0.5
+    """memory_budget mode: saved activations as a fraction of no-AC's (0 = recompute all it can, 1 = no AC)."""
 
 
 @dataclass
@@ -285,7 +293,8 @@ class Compile:
     """torch.compile the components listed in `components`."""
 
     components: list[str] = field(default_factory=lambda: ["model", "loss"])
-    """What to compile: "model" (each transformer block) and/or "loss"."""
+    """What to compile: "model" (each transformer block) and/or "loss". Compiled kernels are cached in
+    $TORCHINDUCTOR_CACHE_DIR (default: $TORCHTITAN_CACHE_DIR/inductor or ~/.cache/torchtitan/inductor)."""
 
 
 @dataclass
@@ -300,10 +309,11 @@ class Float8:
     """Compute float8 scales for all FSDP parameters in one kernel after the optimizer step."""
 
     filter_fqns: list[str] = field(default_factory=lambda: ["output"])
-    """Linear layers whose names contain one of these stay in high precision."""
+    """Linear layers whose names contain one of these stay in high precision (as do layers with a dimension
+    that is not a multiple of 16). Converting no layer at all is an error."""
 
     emulate: bool = False
-    """Emulate float8 matmuls in high precision (for CPUs and older GPUs; slow, for correctness)."""
+    """Emulate float8 matmuls in float32 (for CPUs and GPUs without fp8 tensor cores; slow, for correctness)."""
 
 
 @dataclass

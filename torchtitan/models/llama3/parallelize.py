@@ -1,4 +1,4 @@
-"""How a Llama 3 model (or one pipeline stage of it) is parallelised: TP ▸ AC ▸ compile ▸ FSDP.
+"""How a Llama 3 model (or one pipeline stage of it) is parallelised: CP ▸ TP ▸ AC ▸ compile ▸ FSDP.
 
 The whole composition of this model lives in `parallelize_llama`; the appliers it calls are generic.
 """
@@ -15,7 +15,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torchtitan.components.quantization.float8 import uses_float8_tensor_parallel
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.compile import apply_compile, check_compile_config, compiles, enable_async_tp
 from torchtitan.distributed.context_parallel import ContextParallelAttention, RotateMethod, load_balanced_indices
 from torchtitan.distributed.data_parallel import apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -31,6 +34,9 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
     comes last and, with CP on, shards over dp_shard x cp (the cp ranks hold the same parameters).
     """
     pd = parallel_dims
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    check_compile_config(job_config, device_type)
+    compile_model = compiles(job_config, "model")
     if pd.cp_enabled:
         apply_cp(
             model,
@@ -39,7 +45,17 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             rotate_method=job_config.parallelism.context_parallel_rotate_method,
         )
     if pd.tp_enabled:
-        apply_tp(model, pd.submesh("tp"), loss_parallel=not job_config.parallelism.disable_loss_parallel)
+        if job_config.parallelism.enable_async_tensor_parallel:
+            enable_async_tp(pd.submesh("tp"))
+        apply_tp(
+            model,
+            pd.submesh("tp"),
+            loss_parallel=not job_config.parallelism.disable_loss_parallel,
+            float8=uses_float8_tensor_parallel(job_config, device_type),
+        )
+    apply_ac(model, job_config.activation_checkpoint, model_compiled=compile_model)
+    if compile_model:
+        apply_compile(model)
     if pd.fsdp_enabled:
         t = job_config.training
         apply_fsdp(
@@ -69,7 +85,21 @@ def pipeline_llama(model, parallel_dims, job_config, device, model_args, loss_fn
     )
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
+def _tp_styles(float8: bool) -> tuple[type, type, type]:
+    """(colwise, rowwise, prepare-input) styles; the float8 ones cast to float8 before the collectives, so
+    TP all-gathers move float8 bytes (tensorwise float8 only)."""
+    if float8:
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+            PrepareFloat8ModuleInput,
+        )
+
+        return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+    return ColwiseParallel, RowwiseParallel, PrepareModuleInput
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, float8: bool = False) -> None:
     """Megatron-style tensor parallel with sequence parallel.
 
     Between blocks the activations are sharded along the sequence (Shard(1)), so norms run on a sequence
@@ -90,24 +120,26 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> N
         )
     if top:
         parallelize_module(model, tp_mesh, top)
+    # The output projection and the embedding keep the plain styles: float8 leaves them in high precision.
+    colwise, rowwise, prepare_input = _tp_styles(float8)
     for block in model.layers.values():
         parallelize_module(
             block,
             tp_mesh,
             {
                 "attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(
+                "attention": prepare_input(
                     input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
                 ),
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "attention.wq": colwise(),
+                "attention.wk": colwise(),
+                "attention.wv": colwise(),
+                "attention.wo": rowwise(output_layouts=Shard(1)),
                 "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward": prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": colwise(),
+                "feed_forward.w2": rowwise(output_layouts=Shard(1)),
+                "feed_forward.w3": colwise(),
             },
         )
 
