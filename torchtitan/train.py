@@ -152,6 +152,8 @@ class Trainer:
         model.to(param_dtype)
         self.converters = build_model_converters(cfg, pd, self.device)
         self.converters.convert(model)
+        if cfg.model.print_after_conversion and self.rank == 0:
+            logger.info(f"Model after converters:\n{model}")
         self.num_params, non_embedding = count_params(model)
         self.flops_per_token = self.model_args.flops_per_token(non_embedding, cfg.training.seq_len)
         logger.info(

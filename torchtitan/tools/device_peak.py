@@ -176,7 +176,8 @@ def peak_flops(device: torch.device, dtype: torch.dtype, *, num_threads: int | N
         return _cached_measurement(key, lambda: measure_gemm_flops(device, measure_dtype, _GPU_GEMM_SIZES))
 
     threads = num_threads or torch.get_num_threads()
-    # CPUs have no float8 matmul: float8 training on CPU is emulated in bfloat16.
+    # CPUs have no float8 matmul; the trainer asks for the dtype emulated float8 really multiplies in, so a
+    # float8 request here only stands for "the fastest 16-bit GEMM".
     measure_dtype = torch.bfloat16 if _is_float8(dtype) else dtype
     key = f"{_cpu_model_name()}|{measure_dtype}|threads={threads}"
 
