@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.components import checkpoint as ckpt
 from torchtitan.components.loss import IGNORE_INDEX
@@ -31,6 +32,7 @@ from torchtitan.config.manager import save_config, to_toml
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.context_parallel import shard_batch
 from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims, parallel_dims_from_config
+from torchtitan.distributed.pipeline import run_pipeline_eval, run_pipeline_step
 from torchtitan.tools.device_peak import peak_flops
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.memory import MemoryMonitor
@@ -274,7 +276,7 @@ class Trainer:
                 if hasattr(m, "set_requires_gradient_sync"):
                     m.set_requires_gradient_sync(last)  # FSDP: reduce-scatter once, on the last microbatch
             if self.pp_schedule is not None:
-                loss_sum += self._pp_forward_backward(inputs, labels)
+                loss_sum += run_pipeline_step(self, inputs, labels)  # forward+backward through the schedule
                 continue
             with self.autocast, self._loss_context():
                 logits = self.model_parts[0](inputs)
@@ -296,16 +298,8 @@ class Trainer:
     def _loss_context(self):
         pd = self.parallel_dims
         if pd.tp_enabled and not self.cfg.parallelism.disable_loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-
             return loss_parallel()
         return contextlib.nullcontext()
-
-    def _pp_forward_backward(self, inputs, labels) -> torch.Tensor:
-        """Runs the pipeline schedule on one microbatch group; returns this step's loss on every PP rank."""
-        from torchtitan.distributed.pipeline import run_pipeline_step
-
-        return run_pipeline_step(self, inputs, labels)
 
     # ------------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -322,8 +316,6 @@ class Trainer:
             batch = (inputs.to(self.device), labels.to(self.device))
             inputs, labels = shard_batch(batch, *self.parallel_dims.coordinate("cp"))
             if self.pp_schedule is not None:
-                from torchtitan.distributed.pipeline import run_pipeline_eval
-
                 loss_sum += run_pipeline_eval(self, inputs, labels)
             else:
                 with self.autocast, self._loss_context():
