@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Everything that needs a CUDA GPU, in one call on a lent single-GPU machine (results under $OUT):
+#   1. the test suite's quick layer on CUDA (unit tests; CUDA-only ones run instead of skipping)
+#   2. a short debug-model run on cuda+nccl with bf16, compile and an async pinned-memory checkpoint
+#   3. bf16 vs Float8 throughput and MFU on an 8B-shaped model cut to fit (scripts/gpu/bench_float8.py)
+# Usage (repo root):  OUT=/tmp/out bash scripts/gpu/run_checks.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-./outputs/gpu_checks}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
+source scripts/ensure_env.sh test
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+
+"$PYTHON" -m pytest -q tests/unit -x 2>&1 | tail -5 | tee "$OUT/unit_cuda.txt"
+
+NGPU=1 ./run_train.sh --job.dump_folder "$OUT/debug_cuda" --training.steps 30 --compile.enable \
+    --checkpoint.enable --checkpoint.interval 10 --checkpoint.async_mode async_with_pinned_mem \
+    --metrics.log_freq 10 2>&1 | tail -8 | tee "$OUT/debug_cuda.txt"
+
+"$PYTHON" scripts/gpu/bench_float8.py --layers 4 --seq-len 8192 --steps 30 2>&1 | tail -12 | tee "$OUT/float8.txt"
