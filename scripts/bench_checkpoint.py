@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.models.llama3.flavors import llama3_flavors  # noqa: E402
-from torchtitan.train import Trainer  # noqa: E402
+from torchtitan.trainer import Trainer  # noqa: E402
 
 llama3_flavors.setdefault(
     "cpu_medium", dataclasses.replace(llama3_flavors["debugmodel"], dim=768, n_layers=8, n_heads=12, n_kv_heads=4)

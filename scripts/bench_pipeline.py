@@ -129,7 +129,7 @@ def bubble_fraction(table: dict[int, list], num_stages: int, per_rank: int) -> f
 # ---- measured step time ---------------------------------------------------------------------------------
 def _train(rank, world_size, argv, folder):
     from torchtitan.config import ConfigManager
-    from torchtitan.train import Trainer
+    from torchtitan.trainer import Trainer
 
     trainer = Trainer(ConfigManager().parse_args(argv + ["--job.dump_folder", folder]))
     try:

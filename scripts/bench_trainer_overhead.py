@@ -22,7 +22,7 @@ import torch
 
 def build_trainer(args, dump):
     from torchtitan.config import ConfigManager
-    from torchtitan.train import Trainer
+    from torchtitan.trainer import Trainer
 
     cfg = ConfigManager().parse_args([
         "--model.flavor", args.flavor, "--training.seq_len", str(args.seq_len),

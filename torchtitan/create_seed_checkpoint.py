@@ -15,7 +15,7 @@ import sys
 from torchtitan.components.checkpoint import CheckpointError, write_model_checkpoint
 from torchtitan.components.offline_model import build_cpu_model
 from torchtitan.config import ConfigError, ConfigManager
-from torchtitan.train import DTYPES
+from torchtitan.tools.precision import DTYPES
 from torchtitan.tools.logging import init_logger, logger
 
 FOLDER = "seed_checkpoint"

@@ -21,7 +21,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from torchtitan.train import USER_ERRORS, plan_job
+    from torchtitan.errors import USER_ERRORS
+    from torchtitan.job_plan import plan_job
 
     try:
         plan_job(cfg, world_size * nnodes)

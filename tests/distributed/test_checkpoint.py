@@ -38,7 +38,7 @@ ASYNC = ["--checkpoint.async_mode", "async"]
 
 def _sigterm_after_step_10(rank, world_size):
     """Preempts the run: rank 0 alone gets SIGTERM during step 10 (the ranks must agree to stop together)."""
-    from torchtitan.train import Trainer
+    from torchtitan.trainer import Trainer
 
     real = Trainer.train_step
 

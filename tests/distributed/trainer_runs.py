@@ -32,7 +32,7 @@ def read_metrics(dump_folder: str) -> list[dict]:
 
 def _train(rank, world_size, argv, dump_folder, probe, setup):
     from torchtitan.config import ConfigManager
-    from torchtitan.train import Trainer
+    from torchtitan.trainer import Trainer
 
     if setup is not None:
         setup(rank, world_size)

@@ -17,7 +17,7 @@ from torchtitan.components.checkpoint import CheckpointError, CheckpointManager,
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config import ConfigManager
-from torchtitan.train import TrainState
+from torchtitan.components.train_state import TrainState
 
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2"]
 

@@ -6,7 +6,7 @@ import pytest
 
 from torchtitan.config import ConfigManager
 from torchtitan.distributed.parallel_dims import parallel_dims_from_config
-from torchtitan.train import plan_job
+from torchtitan.job_plan import plan_job
 from torchtitan.train_spec import get_flavor, get_train_spec
 
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "train_configs").glob("*.toml"))

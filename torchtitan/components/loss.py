@@ -6,10 +6,17 @@ accumulation, data-parallel sharding and context-parallel sequence sharding all 
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from torchtitan.config.job_config import JobConfig
 
 IGNORE_INDEX = -100
+
+
+def loss_value(loss: torch.Tensor) -> torch.Tensor:
+    """A detached plain tensor of a loss (under loss parallel the loss is a replicated DTensor)."""
+    loss = loss.detach()
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from torchtitan.components.checkpoint import (
     read_dcp_metadata,
 )
 from torchtitan.config import ConfigManager, JobConfig
-from torchtitan.train import resolve_model
+from torchtitan.job_plan import resolve_model
 
 
 def job_config_of(checkpoint: str, overrides: list[str]) -> JobConfig:

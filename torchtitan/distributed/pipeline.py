@@ -41,6 +41,7 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
+from torchtitan.components.loss import loss_value
 from torchtitan.distributed.parallel_dims import LayoutError
 
 # Schedules by how many stages each rank holds and where they sit.
@@ -302,11 +303,9 @@ def pipeline_model(
 
 def _on_every_stage(trainer, losses: list[torch.Tensor]) -> torch.Tensor:
     """Sum of the last stage's microbatch losses, on every pp rank (the others contribute zero)."""
-    from torchtitan.train import _value
-
     total = torch.zeros((), device=trainer.device)
     for loss in losses:
-        total += _value(loss)
+        total += loss_value(loss)
     dist.all_reduce(total, group=trainer.parallel_dims.submesh("pp").get_group())
     return total
 

@@ -23,8 +23,7 @@ from torchtitan.distributed.context_parallel import ContextParallelAttention, Ro
 from torchtitan.distributed.data_parallel import apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline import pipeline_model
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from torchtitan.tools.precision import DTYPES
 
 
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:

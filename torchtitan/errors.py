@@ -1,0 +1,12 @@
+"""The errors a user can cause and fix: each is reported as one line and a non-zero exit, never a traceback."""
+
+from torchtitan.components.checkpoint import CheckpointError
+from torchtitan.config import ConfigError
+from torchtitan.distributed.parallel_dims import LayoutError
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. the loss became NaN); the message says where and why."""
+
+
+USER_ERRORS = (ConfigError, LayoutError, FileNotFoundError, TrainingError, ValueError, CheckpointError)

@@ -1,0 +1,343 @@
+"""The trainer: builds the pieces of a run in order, then runs the training loop.
+
+    config ─▶ process group + mesh ─▶ train spec ─▶ tokenizer, data ─▶ model on meta ─▶ converters
+    ─▶ parallelize ─▶ weights on device ─▶ optimizer, LR schedule ─▶ checkpoint ─▶ loop
+
+The entry point is `torchtitan/train.py` (`./run_train.sh` or `python -m torchtitan.train --help`).
+"""
+
+import contextlib
+import dataclasses
+import gc
+import math
+import os
+import time
+import warnings
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.parallel import loss_parallel
+
+from torchtitan.components import checkpoint as ckpt
+from torchtitan.components.loss import IGNORE_INDEX, loss_value
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.metrics import MetricsLogger, throughput_metrics
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.quantization import build_model_converters
+from torchtitan.components.train_state import TrainState
+from torchtitan.config import JobConfig
+from torchtitan.config.manager import save_config, to_toml
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.context_parallel import shard_batch
+from torchtitan.distributed.pipeline import run_pipeline_eval, run_pipeline_step
+from torchtitan.errors import TrainingError
+from torchtitan.job_plan import plan_job
+from torchtitan.tools.device_peak import peak_flops
+from torchtitan.tools.logging import init_logger, logger
+from torchtitan.tools.memory import MemoryMonitor
+from torchtitan.tools.params import count_params
+from torchtitan.tools.precision import DTYPES
+from torchtitan.tools.preemption import PreemptionWatch
+from torchtitan.tools.profiling import Profiler
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.device, self.rank, self.world_size = dist_utils.init_distributed(cfg.comm)
+        init_logger(self.rank)
+        logger.info(f"Starting job: {cfg.job.description}")
+        if self.rank == 0:
+            os.makedirs(cfg.job.dump_folder, exist_ok=True)
+            save_config(cfg, os.path.join(cfg.job.dump_folder, "config.toml"))
+            if cfg.job.print_config:
+                logger.info(f"Resolved configuration:\n{to_toml(cfg)}")
+
+        # ---- what to train ---------------------------------------------------------------------------
+        plan = plan_job(cfg, self.world_size)
+        self.spec, self.tokenizer, self.model_args = plan.spec, plan.tokenizer, plan.model_args
+        self.parallel_dims, self.global_batch_size, self.grad_accum = (
+            plan.parallel_dims, plan.global_batch_size, plan.grad_accum
+        )
+        pd = self.parallel_dims
+        self.mesh = pd.build_mesh(self.device.type) if self.world_size > 1 else None
+        self.dp_rank, self.dp_degree = pd.coordinate("dp") if self.mesh else (0, 1)
+        seed = dist_utils.set_determinism(cfg.debug, self.device)
+
+        # ---- data --------------------------------------------------------------------------------------
+        self.dataloader = self._build_dataloader("train", cfg.training.local_batch_size, infinite=True)
+
+        # ---- model: meta ─▶ converters ─▶ parallelize ─▶ weights ------------------------------------------
+        param_dtype = DTYPES[cfg.training.dtype]
+        with torch.device("meta"):
+            model = self.spec.model_cls(self.model_args)
+        # Cast on meta: init_weights then rebuilds derived fp32 buffers (e.g. the RoPE table) at full precision.
+        model.to(param_dtype)
+        self.converters = build_model_converters(cfg, pd, self.device)
+        self.converters.convert(model)
+        if cfg.model.print_after_conversion and self.rank == 0:
+            logger.info(f"Model after converters:\n{model}")
+        self.num_params, non_embedding = count_params(model)
+        self.flops_per_token = self.model_args.flops_per_token(non_embedding, cfg.training.seq_len)
+        logger.info(
+            f"Model {cfg.model.name} {cfg.model.flavor}: {self.num_params:,} parameters "
+            f"({non_embedding:,} non-embedding), {self.flops_per_token / 1e9:.3f} GFLOP/token (train)"
+        )
+        self.loss_fn = self.spec.build_loss_fn(cfg)
+        self.pp_schedule = None
+        if pd.pp_enabled:
+            self.pp_schedule, self.model_parts = self.spec.pipelining_fn(
+                model, pd, cfg, self.device, self.model_args, self._scaled_loss
+            )
+        else:
+            self.model_parts = [self.spec.parallelize_fn(model, pd, cfg)]
+        self._init_weights(seed)
+        # Autocast gives mixed precision where FSDP's policy does not apply (no data-parallel sharding).
+        mp = DTYPES[cfg.training.mixed_precision_param]
+        self.autocast = (
+            torch.autocast(self.device.type, dtype=mp)
+            if not pd.fsdp_enabled and mp != param_dtype and param_dtype == torch.float32
+            else contextlib.nullcontext()
+        )
+
+        # ---- optimization state -------------------------------------------------------------------------
+        self.optimizers = build_optimizers(self.model_parts, cfg.optimizer)
+        self.lr_schedulers = build_lr_schedulers(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
+        self.train_state = TrainState()
+        self.checkpointer = ckpt.CheckpointManager(
+            cfg,
+            model_parts=self.model_parts,
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            dataloader=self.dataloader,
+            train_state=self.train_state,
+            hf_adapter=self.spec.state_dict_adapter,
+        )
+
+        # ---- observability --------------------------------------------------------------------------------
+        self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.metrics, self.rank, dataclasses.asdict(cfg))
+        self.memory = MemoryMonitor(self.device)
+        compute_dtype = param_dtype if param_dtype != torch.float32 else mp
+        # The peak of the dtype the matmuls really run in: fp8 for float8, fp32 when float8 is emulated.
+        compute_dtype = self.converters.matmul_dtype(compute_dtype)
+        self.peak_flops = peak_flops(self.device, compute_dtype)
+        dist_utils.set_pg_timeout(cfg.comm.train_timeout_seconds)
+
+    # ------------------------------------------------------------------------------------------------------
+    def _build_dataloader(self, split: str, local_batch_size: int, infinite: bool):
+        gbs = self.global_batch_size if split == "train" else local_batch_size * self.dp_degree
+        return self.spec.build_dataloader_fn(
+            tokenizer=self.tokenizer,
+            job_config=self.cfg,
+            split=split,
+            dp_rank=self.dp_rank,
+            dp_degree=self.dp_degree,
+            global_batch_size=gbs,
+            local_batch_size=local_batch_size,
+            infinite=infinite,
+        )
+
+    def _init_weights(self, seed: int) -> None:
+        """Same initial weights whatever the layout: from a seed/initial checkpoint when one is given (the
+        checkpoint manager loads it before training), else from the model's own init under `seed`.
+
+        On CPU a sharded random init would draw the same numbers on every rank (duplicated shards), so there
+        each rank initialises the full model once and keeps its shards. On CUDA, DTensor's offset-tracked RNG
+        initialises shards in place (distinct, but not bit-equal across layouts: use a seed checkpoint)."""
+        for m in self.model_parts:
+            m.to_empty(device=self.device)
+        from_checkpoint = bool(self.cfg.checkpoint.initial_load_path) or ckpt.has_checkpoint(self.cfg)
+        full_init = not from_checkpoint and self.world_size > 1 and self.device.type == "cpu"
+        if not full_init:
+            torch.manual_seed(seed)
+        with torch.no_grad(), warnings.catch_warnings():
+            # On CPU, DTensor warns that its random ops are not layout-aware; full_init below handles that.
+            warnings.filterwarnings("ignore", message="DTensor random operators")
+            for m in self.model_parts:
+                m.init_weights(buffer_device=self.device)  # also builds derived buffers (e.g. RoPE tables)
+        if full_init:
+            with torch.device("meta"):
+                full = self.spec.model_cls(self.model_args)
+            full.to_empty(device="cpu")
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                full.init_weights(buffer_device=None)
+            ckpt.load_full_state_dict(self.model_parts, full.state_dict())
+            del full
+        torch.manual_seed(seed)  # later randomness does not depend on how much the init consumed
+
+    def _scaled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Token-loss sum over the global token count of the step (set before each step)."""
+        return self.loss_fn(logits, labels) / self._global_tokens
+
+    # ------------------------------------------------------------------------------------------------------
+    def _next_microbatches(self, data_iter: Iterator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for _ in range(self.grad_accum):
+            inputs, labels = next(data_iter)
+            out.append((inputs.to(self.device), labels.to(self.device)))
+        return out
+
+    def _reduce_over(self, x: torch.Tensor, dim: str) -> torch.Tensor:
+        mesh = self.parallel_dims.submesh(dim) if self.mesh is not None else None
+        if mesh is not None:
+            dist.all_reduce(x, group=mesh.get_group())
+        return x
+
+    def train_step(self, microbatches) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over the rank's microbatches; returns (global loss, grad norm), unsynced."""
+        microbatches = [shard_batch(mb, *self.parallel_dims.coordinate("cp")) for mb in microbatches]
+        local_tokens = sum((lab != IGNORE_INDEX).sum() for _, lab in microbatches)
+        # Every rank divides by the same global count, so summed gradients give the global mean.
+        self._global_tokens = self._reduce_over(local_tokens.to(torch.float32), "dp_cp").clamp_min(1)
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (inputs, labels) in enumerate(microbatches):
+            last = i == len(microbatches) - 1
+            for m in self.model_parts:
+                if hasattr(m, "set_requires_gradient_sync"):
+                    m.set_requires_gradient_sync(last)  # FSDP: reduce-scatter once, on the last microbatch
+            if self.pp_schedule is not None:
+                loss_sum += run_pipeline_step(self, inputs, labels)  # forward+backward through the schedule
+                continue
+            with self.autocast, self._loss_context():
+                logits = self.model_parts[0](inputs)
+                loss = self._scaled_loss(logits, labels)
+                loss.backward()
+            loss_sum += loss_value(loss)
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for m in self.model_parts for p in m.parameters()],
+            self.cfg.training.max_norm,
+            pp_group=self.parallel_dims.submesh("pp").get_group() if self.parallel_dims.pp_enabled else None,
+        )
+        self._step_lr = self.optimizers.param_groups[0]["lr"]  # the LR this step trained with
+        self.optimizers.step()
+        self.converters.post_optimizer_hook(self.model_parts)
+        self.lr_schedulers.step()
+        self.optimizers.zero_grad()
+        return loss_sum, grad_norm
+
+    def _loss_context(self):
+        pd = self.parallel_dims
+        if pd.tp_enabled and not self.cfg.parallelism.disable_loss_parallel:
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def validate(self, step: int) -> dict[str, float]:
+        v = self.cfg.validation
+        loader = self._build_dataloader("validation", v.local_batch_size, infinite=False)
+        for m in self.model_parts:
+            m.eval()
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), device=self.device)
+        for i, (inputs, labels) in enumerate(loader):
+            if 0 <= v.steps <= i:
+                break
+            batch = (inputs.to(self.device), labels.to(self.device))
+            inputs, labels = shard_batch(batch, *self.parallel_dims.coordinate("cp"))
+            if self.pp_schedule is not None:
+                loss_sum += run_pipeline_eval(self, inputs, labels)
+            else:
+                with self.autocast, self._loss_context():
+                    loss_sum += loss_value(self.loss_fn(self.model_parts[0](inputs), labels))
+            tokens += (labels != IGNORE_INDEX).sum()
+        for m in self.model_parts:
+            m.train()
+        self._reduce_over(loss_sum, "dp_cp")
+        self._reduce_over(tokens, "dp_cp")
+        loss = (loss_sum / tokens.clamp_min(1)).item()
+        metrics = {"validation/loss": loss, "validation/perplexity": math.exp(min(loss, 50.0))}
+        self.metrics.log(step, metrics)
+        return metrics
+
+    def train(self) -> None:
+        cfg = self.cfg
+        self.checkpointer.load()
+        data_iter = iter(self.dataloader)
+        gc.disable()  # collect on our schedule, not in the middle of a step on one rank only
+        gc.collect()
+        tokens_per_step = self.global_batch_size * cfg.training.seq_len
+        window_start, window_tokens, data_time = time.perf_counter(), 0, 0.0
+        self.memory.reset_peak_stats()
+        profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.rank, self.device)
+        preemption = PreemptionWatch() if cfg.checkpoint.enable else None
+        logger.info(
+            f"Training {cfg.training.steps} steps: global batch {self.global_batch_size} x seq {cfg.training.seq_len}, "
+            f"{self.grad_accum} microbatch(es) per rank, layout {self.parallel_dims}"
+        )
+        first_step = self.train_state.step + 1
+        with profiler, contextlib.ExitStack() as cleanup:
+            if preemption is not None:
+                cleanup.callback(preemption.close)
+            while self.train_state.step < cfg.training.steps:
+                step = self.train_state.step + 1
+                if step % cfg.training.gc_freq == 0:
+                    gc.collect(1)
+                t0 = time.perf_counter()
+                try:
+                    microbatches = self._next_microbatches(data_iter)
+                except StopIteration as e:
+                    raise TrainingError(f"the data ran out at step {step}") from e
+                data_time += time.perf_counter() - t0
+                loss, grad_norm = self.train_step(microbatches)
+                self.train_state.step = step
+                self.train_state.tokens_seen += tokens_per_step
+                window_tokens += tokens_per_step
+                if step == first_step:
+                    # The first step compiles and warms up: it is reported as first_step_s, and the throughput
+                    # window starts after it.
+                    first_step_s = time.perf_counter() - window_start
+                    window_start, window_tokens, data_time = time.perf_counter(), 0, 0.0
+                if not torch.isfinite(grad_norm):
+                    raise TrainingError(
+                        f"loss or gradients became non-finite at step {step} (local loss {loss.item():.4g}, "
+                        f"grad norm {grad_norm.item():.4g}); lower --optimizer.lr, raise --lr_scheduler.warmup_steps "
+                        f"or check the data"
+                    )
+                last = step == cfg.training.steps
+                if step == 1 or step % cfg.metrics.log_freq == 0 or last:
+                    global_loss = self._reduce_over(loss.detach().clone(), "dp_cp")
+                    elapsed = time.perf_counter() - window_start
+                    speed = {"first_step_s": first_step_s}  # a window holding only the first step
+                    if window_tokens:
+                        speed = throughput_metrics(
+                            tokens=window_tokens / self.world_size,
+                            seconds=elapsed,
+                            flops_per_token=self.flops_per_token,
+                            peak_flops=self.peak_flops,
+                        )
+                        speed["data_loading_pct"] = 100.0 * data_time / max(elapsed, 1e-9)
+                    metrics = {
+                        "loss": global_loss.item(),
+                        "grad_norm": grad_norm.item(),
+                        "lr": self._step_lr,
+                        **speed,
+                        "tokens_seen": self.train_state.tokens_seen,
+                        **self.memory.get_peak_stats(),
+                    }
+                    self.metrics.log(step, metrics)
+                    window_start, window_tokens, data_time = time.perf_counter(), 0, 0.0
+                    self.memory.reset_peak_stats()
+                if cfg.validation.enable and (step % cfg.validation.freq == 0 or last):
+                    self.validate(step)
+                self.checkpointer.save(step, last=last)
+                profiler.step(step)
+                if preemption is not None and not last and preemption.requested(self.device):
+                    self.checkpointer.save(step, force=True)
+                    logger.warning(
+                        f"Preempted (SIGTERM) at step {step}: its checkpoint is saved (completed before exit) in "
+                        f"{self.checkpointer.root}; rerun the same command to resume"
+                    )
+                    break
+            else:
+                logger.info("Training finished")
+        self.checkpointer.wait()  # the last save is complete (or its failure reported) when train() returns
+        gc.enable()
+
+    def close(self) -> None:
+        self.checkpointer.close()
+        self.metrics.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
