@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.components import checkpoint as ckpt
-from torchtitan.components.loss import IGNORE_INDEX, loss_value
+from torchtitan.components.loss import IGNORE_INDEX, loss_value, per_source_loss_sums, per_source_metrics
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.metrics import MetricsLogger, throughput_metrics
 from torchtitan.components.optimizer import build_optimizers
@@ -28,6 +28,7 @@ from torchtitan.components.quantization import build_model_converters
 from torchtitan.components.train_state import TrainState
 from torchtitan.config import JobConfig
 from torchtitan.config.manager import save_config, to_toml
+from torchtitan.datasets.batch import inputs_to, pop_source_ids
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.context_parallel import shard_batch
 from torchtitan.distributed.pipeline import run_pipeline_eval, run_pipeline_step
@@ -176,7 +177,7 @@ class Trainer:
         out = []
         for _ in range(self.grad_accum):
             inputs, labels = next(data_iter)
-            out.append((inputs.to(self.device), labels.to(self.device)))
+            out.append((inputs_to(inputs, self.device), labels.to(self.device)))
         return out
 
     def _reduce_over(self, x: torch.Tensor, dim: str) -> torch.Tensor:
@@ -192,7 +193,9 @@ class Trainer:
         # Every rank divides by the same global count, so summed gradients give the global mean.
         self._global_tokens = self._reduce_over(local_tokens.to(torch.float32), "dp_cp").clamp_min(1)
         loss_sum = torch.zeros((), device=self.device)
+        self._source_sums = None
         for i, (inputs, labels) in enumerate(microbatches):
+            inputs, source_ids = pop_source_ids(inputs)
             last = i == len(microbatches) - 1
             for m in self.model_parts:
                 if hasattr(m, "set_requires_gradient_sync"):
@@ -201,9 +204,13 @@ class Trainer:
                 loss_sum += run_pipeline_step(self, inputs, labels)  # forward+backward through the schedule
                 continue
             with self.autocast, self._loss_context():
-                logits = self.model_parts[0](inputs)
+                logits = self.model_parts[0](**inputs) if isinstance(inputs, dict) else self.model_parts[0](inputs)
                 loss = self._scaled_loss(logits, labels)
                 loss.backward()
+                if source_ids is not None:
+                    names = self.dataloader.dataset.source_names
+                    sums = per_source_loss_sums(logits.detach(), labels, source_ids, len(names))
+                    self._source_sums = sums if self._source_sums is None else self._source_sums + sums
             loss_sum += loss_value(loss)
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()],
@@ -235,13 +242,14 @@ class Trainer:
         for i, (inputs, labels) in enumerate(loader):
             if 0 <= v.steps <= i:
                 break
-            batch = (inputs.to(self.device), labels.to(self.device))
+            batch = (inputs_to(inputs, self.device), labels.to(self.device))
             inputs, labels = shard_batch(batch, *self.parallel_dims.coordinate("cp"))
             if self.pp_schedule is not None:
                 loss_sum += run_pipeline_eval(self, inputs, labels)
             else:
                 with self.autocast, self._loss_context():
-                    loss_sum += loss_value(self.loss_fn(self.model_parts[0](inputs), labels))
+                    logits = self.model_parts[0](**inputs) if isinstance(inputs, dict) else self.model_parts[0](inputs)
+                    loss_sum += loss_value(self.loss_fn(logits, labels))
             tokens += (labels != IGNORE_INDEX).sum()
         for m in self.model_parts:
             m.train()
@@ -299,6 +307,10 @@ class Trainer:
                 last = step == cfg.training.steps
                 if step == 1 or step % cfg.metrics.log_freq == 0 or last:
                     global_loss = self._reduce_over(loss.detach().clone(), "dp_cp")
+                    source_losses = {}
+                    if self._source_sums is not None:  # a mixture: loss/<source> over all ranks' tokens
+                        sums = self._reduce_over(self._source_sums, "dp_cp")
+                        source_losses = per_source_metrics(sums, self.dataloader.dataset.source_names)
                     elapsed = time.perf_counter() - window_start
                     speed = {"first_step_s": first_step_s}  # a window holding only the first step
                     if window_tokens:
@@ -311,6 +323,7 @@ class Trainer:
                         speed["data_loading_pct"] = 100.0 * data_time / max(elapsed, 1e-9)
                     metrics = {
                         "loss": global_loss.item(),
+                        **source_losses,
                         "grad_norm": grad_norm.item(),
                         "lr": self._step_lr,
                         **speed,

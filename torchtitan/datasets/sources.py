@@ -8,6 +8,8 @@ Datasets:
 - ``stdlib_docs`` (default): the corpus shipped in ``torchtitan/assets/stdlib_docs``.
 - ``c4``, ``fineweb``: streamed from the Hugging Face hub (or a local copy at ``dataset_path``).
 - ``local``: json / jsonl / parquet / txt files (optionally ``.gz``) at ``dataset_path``.
+- ``chat``: a jsonl(.gz) file of chat / instruction records at ``dataset_path`` (SFT, see chat.py); its
+  documents are records (dicts), not texts.
 
 Where a dataset has no validation split, every ``HOLDOUT_EVERY``-th document (index 0, 100,
 200, ...) is validation and the rest is train, so the two never overlap.
@@ -36,14 +38,15 @@ LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt
 
 
 class DocumentSource(ABC):
-    """Documents in a fixed order; ``iter_from(n)`` starts at document ``n`` (0-based)."""
+    """Documents (texts, or chat records for ``chat``) in a fixed order; ``iter_from(n)`` starts at document
+    ``n`` (0-based)."""
 
     name: str
     # True when iter_from(n) is exact and does not re-read the documents before n as text.
     resumable: bool
 
     @abstractmethod
-    def iter_from(self, doc_index: int) -> Iterator[str]: ...
+    def iter_from(self, doc_index: int) -> Iterator[Any]: ...
 
 
 def holdout_start(doc_index: int, split: Split, every: int = HOLDOUT_EVERY) -> int:
@@ -194,6 +197,12 @@ def _local(dataset_path: str | None, split: Split) -> DocumentSource:
     return LocalFilesSource(dataset_path, split)
 
 
+def _chat(dataset_path: str | None, split: Split) -> DocumentSource:
+    from torchtitan.datasets.chat import ChatSource  # chat builds on this module
+
+    return ChatSource(dataset_path, split)
+
+
 def _hub(name: str) -> Callable[[str | None, Split], DocumentSource]:
     return lambda dataset_path, split: HubStreamSource(name, HUB_DATASETS[name], split, dataset_path)
 
@@ -201,6 +210,7 @@ def _hub(name: str) -> Callable[[str | None, Split], DocumentSource]:
 DATASETS: dict[str, Callable[[str | None, Split], DocumentSource]] = {
     "stdlib_docs": _stdlib_docs,
     "local": _local,
+    "chat": _chat,
     **{name: _hub(name) for name in HUB_DATASETS},
 }
 

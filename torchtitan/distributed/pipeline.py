@@ -42,6 +42,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from torchtitan.components.loss import loss_value
+from torchtitan.datasets.batch import tokens_and_kwargs
 from torchtitan.distributed.parallel_dims import LayoutError
 
 # Schedules by how many stages each rank holds and where they sit.
@@ -310,14 +311,15 @@ def _on_every_stage(trainer, losses: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def run_pipeline_step(trainer, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def run_pipeline_step(trainer, inputs, labels: torch.Tensor) -> torch.Tensor:
     """Forward and backward of one local batch through the schedule; returns its scaled loss (the sum of
     the microbatches' token losses over the step's global token count) on every pp rank.
 
     Every pp rank passes the same batch: the first stage reads the inputs, the last the labels."""
     losses: list[torch.Tensor] = []
     with trainer.autocast, trainer._loss_context():
-        trainer.pp_schedule.step(inputs, target=labels, losses=losses, return_outputs=False)
+        tokens, kwargs = tokens_and_kwargs(inputs)  # kwargs (e.g. document ids) reach every stage
+        trainer.pp_schedule.step(tokens, target=labels, losses=losses, return_outputs=False, **kwargs)
     return _on_every_stage(trainer, losses)
 
 
@@ -354,12 +356,13 @@ def _forward_only(schedule: _PipelineSchedule):
         schedule.pipeline_order_with_comms = full
 
 
-def run_pipeline_eval(trainer, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def run_pipeline_eval(trainer, inputs, labels: torch.Tensor) -> torch.Tensor:
     """Forward only; returns the summed token loss of the batch on every pp rank."""
     losses: list[torch.Tensor] = []
     # The schedule's loss function is the trainer's scaled loss; a divisor of 1 makes it the plain sum.
     # train_step sets the divisor afresh before every training step.
     trainer._global_tokens = torch.ones((), device=trainer.device)
     with trainer.autocast, trainer._loss_context(), _forward_only(trainer.pp_schedule):
-        trainer.pp_schedule.eval(inputs, target=labels, losses=losses)
+        tokens, kwargs = tokens_and_kwargs(inputs)
+        trainer.pp_schedule.eval(tokens, target=labels, losses=losses, **kwargs)
     return _on_every_stage(trainer, losses)
