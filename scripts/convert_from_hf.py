@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from torchtitan.components.checkpoint import CheckpointError, write_model_checkpoint  # noqa: E402
 from torchtitan.config import ConfigError, ConfigManager  # noqa: E402
-from torchtitan.train_spec import get_train_spec  # noqa: E402
+from torchtitan.protocols.train_spec import get_train_spec  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
