@@ -32,6 +32,15 @@ def build_cross_entropy_loss(job_config: JobConfig):
     return compile_loss(cross_entropy_sum) if compiles(job_config, "loss") else cross_entropy_sum
 
 
+def pop_source_ids(inputs):
+    """(what the model takes, per-token source index [B, S] or None): a mixture's loader adds
+    "source_ids" to the inputs dict for the per-source loss; the model never sees it."""
+    if not isinstance(inputs, dict) or "source_ids" not in inputs:
+        return inputs, None
+    rest = dict(inputs)
+    return rest, rest.pop("source_ids")
+
+
 def per_source_loss_sums(
     logits: torch.Tensor, labels: torch.Tensor, source_ids: torch.Tensor, num_sources: int
 ) -> torch.Tensor:

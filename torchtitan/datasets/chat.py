@@ -1,6 +1,6 @@
 """SFT data: chat / instruction records rendered to tokens, with only the answers trained.
 
-A record is one json line, either
+Records come from the `chat` dataset (sources.ChatSource: a jsonl(.gz) file at --training.dataset_path). A record is one json line, either
     {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}
 or  {"prompt": "...", "completion": "..."}  (one user turn and one assistant turn).
 
@@ -13,13 +13,7 @@ from attending to each other.
 
 from __future__ import annotations
 
-import gzip
-import json
-from collections.abc import Iterator
-from pathlib import Path
-
 from torchtitan.components.tokenizer import Tokenizer
-from torchtitan.datasets.sources import DocumentSource, Split, in_split
 
 ROLES = ("system", "user", "assistant")
 
@@ -56,27 +50,3 @@ def tokenize_document(doc: str | dict, tokenizer: Tokenizer) -> tuple[list[int],
     if isinstance(doc, str):
         return tokenizer.encode(doc, bos=True, eos=True), None
     return tokenize_chat(doc, tokenizer)
-
-
-class ChatSource(DocumentSource):
-    """A jsonl(.gz) file of chat records; every 100th record (0, 100, ...) is validation."""
-
-    resumable = True
-
-    def __init__(self, path: str | None, split: Split) -> None:
-        if not path or not Path(path).is_file():
-            raise FileNotFoundError(
-                f"dataset 'chat' needs --training.dataset_path to be a jsonl(.gz) file of chat records, got {path}"
-            )
-        self.name, self.path, self.split = "chat", Path(path), split
-
-    def iter_from(self, doc_index: int) -> Iterator[dict]:
-        opener = gzip.open if self.path.suffix == ".gz" else open
-        seen = 0
-        with opener(self.path, "rt", encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if not line.strip() or not in_split(i, self.split):
-                    continue
-                if seen >= doc_index:
-                    yield json.loads(line)
-                seen += 1

@@ -184,6 +184,30 @@ class LocalFilesSource(DocumentSource):
             yield row[TEXT_FIELD]
 
 
+class ChatSource(DocumentSource):
+    """A jsonl(.gz) file of chat records (SFT; rendered by chat.py); every 100th line is validation."""
+
+    resumable = True
+
+    def __init__(self, path: str | None, split: Split) -> None:
+        if not path or not Path(path).is_file():
+            raise FileNotFoundError(
+                f"dataset 'chat' needs --training.dataset_path to be a jsonl(.gz) file of chat records, got {path}"
+            )
+        self.name, self.path, self.split = "chat", Path(path), split
+
+    def iter_from(self, doc_index: int) -> Iterator[dict]:
+        opener = gzip.open if self.path.suffix == ".gz" else open
+        seen = 0
+        with opener(self.path, "rt", encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if not line.strip() or not in_split(i, self.split):
+                    continue
+                if seen >= doc_index:
+                    yield json.loads(line)
+                seen += 1
+
+
 def _stdlib_docs(dataset_path: str | None, split: Split) -> DocumentSource:
     folder = Path(dataset_path) if dataset_path else STDLIB_DOCS_DIR
     return JsonlGzSource("stdlib_docs", folder / f"{split}.jsonl.gz")
@@ -198,8 +222,6 @@ def _local(dataset_path: str | None, split: Split) -> DocumentSource:
 
 
 def _chat(dataset_path: str | None, split: Split) -> DocumentSource:
-    from torchtitan.datasets.chat import ChatSource  # chat builds on this module
-
     return ChatSource(dataset_path, split)
 
 
