@@ -120,3 +120,16 @@ def test_exhausted_source_stops_or_loops(shard_root, tok, policy):
         assert len(got) == n // 4 * 4  # whole global batches only
     else:
         assert len(got) == 2 * n and all(torch.equal(got[i], got[i + n]) for i in range(n))
+
+
+@pytest.mark.parametrize("argv,error,match", [
+    (["--training.dataset", "stdlib_doc"], ValueError, "did you mean 'stdlib_docs'"),
+    (["--training.dataset", "/no/such/shards"], FileNotFoundError, "shard folder /no/such/shards does not exist"),
+    (["--training.datasets", "stdlib_docs:1", "--training.dataset_path", "x.jsonl"], ValueError,
+     "dataset_path applies to --training.dataset only"),
+])
+def test_bad_dataset_settings_are_one_clear_error(tok, argv, error, match):
+    cfg = ConfigManager().parse_args(argv)
+    with pytest.raises(error, match=match):
+        build_text_dataloader(tokenizer=tok, job_config=cfg, split="train", dp_rank=0, dp_degree=1,
+                              global_batch_size=4, local_batch_size=4, infinite=True)

@@ -42,13 +42,12 @@ def open_window_source(
 ) -> WindowSource:
     """A registered dataset name (tokenized as it is read) or a folder written by
     `python -m torchtitan.datasets.pretokenize` (its `<split>/` shards)."""
-    if source in DATASETS:
-        return TextWindows(open_documents(source, dataset_path, split), tokenizer, window, policy)
     folder = Path(source)
+    if source in DATASETS or ("/" not in source and not folder.exists()):
+        # open_documents names the valid datasets (and the nearest one) for an unknown name.
+        return TextWindows(open_documents(source, dataset_path, split), tokenizer, window, policy)
     if not folder.is_dir():
-        raise ValueError(
-            f"dataset {source!r} is neither a registered name ({', '.join(sorted(DATASETS))}) nor a shard folder"
-        )
+        raise FileNotFoundError(f"shard folder {folder} does not exist (write it with python -m torchtitan.datasets.pretokenize)")
     if not (folder / split).is_dir():
         raise FileNotFoundError(
             f"shard folder {folder} has no {split}/ split; write it with "
@@ -78,8 +77,13 @@ def build_text_dataloader(
     """
     t = job_config.training
     policy: ExhaustedPolicy = t.dataset_exhausted if infinite else "end"
+    if t.datasets and t.dataset_path:
+        raise ValueError(
+            "--training.dataset_path applies to --training.dataset only; a --training.datasets mixture names "
+            "datasets at their default location or shard folders (pre-tokenize local files first)"
+        )
     mixture = parse_mixture(t.datasets) if t.datasets else [(t.dataset, 1.0)]
-    path = t.dataset_path if not t.datasets else None
+    path = t.dataset_path
     sources = [open_window_source(s, path, split, tokenizer, t.seq_len + 1, policy) for s, _ in mixture]
     features = SampleFeatures(
         document_ids=t.document_masking,
