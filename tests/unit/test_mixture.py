@@ -104,3 +104,18 @@ def test_mixture_entries_are_checked():
     for bad in ["stdlib_docs", "stdlib_docs:", "stdlib_docs:-1", ":0.5", "x:heavy"]:
         with pytest.raises(ValueError, match="SOURCE:WEIGHT"):
             parse_mixture([bad])
+
+
+def test_checkpointed_mixture_run_resumes_identically(tmp_path):
+    """The trainer saves the mixture's position (a text source mid-document and a shard source) in its
+    checkpoint and, resumed, continues with the same samples: steps 3-4 equal an uninterrupted run's."""
+    from tests.unit.checkpoint_helpers import losses, run
+
+    shards = tmp_path / "docs60"
+    assert pretokenize(["--output", str(shards), "--max_docs", "60", "--docs_per_part", "30"]) == 0
+    argv = ["--training.datasets", f"stdlib_docs:0.6,{shards}:0.4", "--training.document_masking",
+            "--debug.seed", "5", "--checkpoint.interval", "2"]
+    assert run(tmp_path / "full", *argv, "--training.steps", "4") == 0
+    assert run(tmp_path / "resumed", *argv, "--training.steps", "2", "--checkpoint.enable") == 0
+    assert run(tmp_path / "resumed", *argv, "--training.steps", "4", "--checkpoint.enable") == 0
+    assert losses(tmp_path / "resumed")[-2:] == losses(tmp_path / "full")[2:]
