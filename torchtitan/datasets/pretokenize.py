@@ -4,9 +4,10 @@
         --output /data/shards/mydata --split train --workers 8
 
 Any dataset the trainer reads works (`stdlib_docs`, `local` files, `c4` / `fineweb` from the hub or a
-local copy via --dataset_path). Documents are cut into parts of --docs_per_part documents; part i holds
-documents [i*N, (i+1)*N) and is tokenized by one worker process, so parts are written in parallel and a
-rerun of the same command skips the parts already complete (resumable). The manifest is written last.
+local copy via --dataset_path). Documents are read in order once and cut into parts of --docs_per_part
+documents; part i holds documents [i*N, (i+1)*N) and is tokenized and written by one of --workers
+processes, so parts are tokenized in parallel, and a rerun of the same command skips the parts already
+complete (resumable). The manifest is written last.
 Train from it with `--training.dataset /data/shards/mydata` (or as a `--training.datasets` entry).
 """
 
@@ -27,7 +28,6 @@ from torchtitan.datasets.chat import tokenize_document
 from torchtitan.datasets.shards import (
     FORMAT,
     MANIFEST,
-    part_name,
     read_part_meta,
     token_dtype,
     tokenizer_fingerprint,
@@ -51,20 +51,26 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _tokenize_part(dataset: str, dataset_path: str | None, split: str, tokenizer_path: str | None,
-                   folder: str, index: int, count: int) -> dict:
-    tokenizer = build_tokenizer(tokenizer_path)
-    source = open_documents(dataset, dataset_path, split)
-    docs = []
-    for doc in itertools.islice(source.iter_from(index * count), count):
-        tokens, _ = tokenize_document(doc, tokenizer)
-        docs.append(tokens)
-    return write_part(Path(folder), index, docs, token_dtype(tokenizer.vocab_size))
+def _tokenize_part(tokenizer_path: str | None, folder: str, index: int, docs: list) -> dict:
+    tokenizer = _worker_tokenizer(tokenizer_path)
+    tokens = [tokenize_document(doc, tokenizer)[0] for doc in docs]
+    return write_part(Path(folder), index, tokens, token_dtype(tokenizer.vocab_size))
+
+
+_TOKENIZERS: dict = {}
+
+
+def _worker_tokenizer(path: str | None):
+    if path not in _TOKENIZERS:  # once per worker process
+        _TOKENIZERS[path] = build_tokenizer(path)
+    return _TOKENIZERS[path]
 
 
 def pretokenize(args: argparse.Namespace) -> dict:
+    """Reads the documents in order in this process (any source, a hub stream included, is read once) and
+    hands each part's documents to a worker that tokenizes and writes it; at most 2 x workers parts wait."""
     tokenizer = build_tokenizer(args.tokenizer)
-    open_documents(args.dataset, args.dataset_path, args.split)  # fail fast on a bad dataset / path
+    source = open_documents(args.dataset, args.dataset_path, args.split)
     folder = Path(args.output) / args.split
     folder.mkdir(parents=True, exist_ok=True)
     job = {
@@ -81,46 +87,39 @@ def pretokenize(args: argparse.Namespace) -> dict:
     job_file.write_text(json.dumps(job, indent=1))
 
     n = args.docs_per_part
-    max_parts = None if args.max_docs is None else -(-args.max_docs // n)
     done: dict[int, dict] = {}
-    last: int | None = None  # index of the first part with fewer than n documents: the end of the data
-    bar = tqdm(total=args.max_docs, unit="doc", desc=f"pretokenize {args.dataset}/{args.split}", file=sys.stderr)
-    in_flight: dict = {}
-    next_part = 0
-
-    def finish(i: int, meta: dict) -> None:
-        nonlocal last
-        done[i] = meta
-        bar.update(meta["num_docs"])
-        if meta["num_docs"] < n:
-            last = i if last is None else min(last, i)
-
+    first = 0
+    while (meta := read_part_meta(folder, first)) is not None and meta["num_docs"] == n:
+        done[first] = meta  # complete parts of an earlier run: resume after them without reading them
+        first += 1
+    docs = source.iter_from(first * n)
+    if args.max_docs is not None:
+        docs = itertools.islice(docs, max(args.max_docs - first * n, 0))
+    bar = tqdm(total=args.max_docs, initial=first * n, unit="doc", file=sys.stderr,
+               desc=f"pretokenize {args.dataset}/{args.split}")
     ctx = multiprocessing.get_context("spawn")  # no forked copies of torch / tokenizer threads
+    in_flight: dict = {}
     with ProcessPoolExecutor(max_workers=args.workers, mp_context=ctx) as pool:
+        index = first
         while True:
-            while len(in_flight) < args.workers and (last is None or next_part <= last) and (
-                max_parts is None or next_part < max_parts
-            ):
-                count = n if args.max_docs is None else min(n, args.max_docs - next_part * n)
-                meta = read_part_meta(folder, next_part)
-                if meta is not None:  # written by an earlier run: resume past it
-                    finish(next_part, meta)
-                else:
-                    fut = pool.submit(_tokenize_part, args.dataset, args.dataset_path, args.split, args.tokenizer,
-                                      str(folder), next_part, count)
-                    in_flight[fut] = next_part
-                next_part += 1
-            if not in_flight:
+            part = list(itertools.islice(docs, n))
+            meta = read_part_meta(folder, index)
+            if meta is not None and meta["num_docs"] == len(part):
+                done[index] = meta  # written by an earlier run
+                bar.update(len(part))
+            elif part or index == 0:
+                in_flight[pool.submit(_tokenize_part, args.tokenizer, str(folder), index, part)] = len(part)
+            while in_flight and (len(in_flight) >= 2 * args.workers or len(part) < n):
+                finished, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    bar.update(in_flight.pop(fut))
+                    meta = fut.result()
+                    done[int(meta["name"].split("-")[1])] = meta
+            if len(part) < n:
                 break
-            completed, _ = wait(in_flight, return_when=FIRST_COMPLETED)
-            for fut in completed:
-                finish(in_flight.pop(fut), fut.result())
+            index += 1
     bar.close()
-    end = last if last is not None else max(done)
-    for i in [i for i in done if i > end]:  # parts speculatively started past the end hold no documents
-        for suffix in (".tokens", ".docs", ".json"):
-            (folder / f"{part_name(i)}{suffix}").unlink(missing_ok=True)
-    parts = [done[i] for i in range(end + 1)]
+    parts = [done[i] for i in sorted(done)]
     manifest = {
         **job,
         "name": Path(args.output).name,

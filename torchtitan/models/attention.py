@@ -1,11 +1,14 @@
 """The attention kernel, as a module so that context parallel can swap it for ring attention.
 
 With `document_ids` ([B, S], equal ids = same document, documents contiguous) attention is block-causal:
-a token sees the earlier tokens of its own document only. On CUDA this runs through FlexAttention with a
-block mask (fully masked tiles are skipped). Elsewhere an exact blockwise path: queries go in blocks of
-DOCUMENT_BLOCK, and each block attends only to keys from the start of its earliest document up to its own
-end, so memory is O(S x (block + document length)) instead of O(S^2) when documents are short. Masked
-scores are -inf, so a token of one document gets bit-identical outputs whatever another document holds.
+a token sees the earlier tokens of its own document only. Kernels:
+- CUDA: FlexAttention with a block mask (fully masked tiles are skipped).
+- CPU, eager: an exact blockwise path. Queries go in blocks of DOCUMENT_BLOCK, and each block attends only
+  to keys from the start of its earliest document up to its own end, so memory is O(S x (block + document
+  length)) instead of O(S^2) when documents are short.
+- CPU, compiled: SDPA with the full [S, S] mask (FlexAttention has no CPU backward, and the blockwise
+  path's key spans depend on the data, which a full-graph compile cannot trace).
+Masked scores are -inf, so a token of one document gets bit-identical outputs whatever another holds.
 """
 
 import torch
@@ -43,15 +46,19 @@ def _flex_document_attention(q, k, v, document_ids: torch.Tensor) -> torch.Tenso
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     global _compiled_flex
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    if torch.compiler.is_compiling():
+        attend = flex_attention  # inside a compiled block: compiled with the rest of the graph
+    else:
+        if _compiled_flex is None:  # eager: flex attention is only fast compiled
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        attend = _compiled_flex
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
 
     batch, _, seq, _ = q.shape
     block_mask = create_block_mask(mask_mod, batch, None, seq, seq, device=q.device)
-    return _compiled_flex(q, k, v, block_mask=block_mask)
+    return attend(q, k, v, block_mask=block_mask)
 
 
 class ScaledDotProductAttention(nn.Module):
@@ -73,4 +80,10 @@ class ScaledDotProductAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         if q.is_cuda:
             return _flex_document_attention(q, k, v, document_ids)
+        if torch.compiler.is_compiling():
+            # The blockwise path picks key spans from the data, which a full-graph compile cannot trace, and
+            # FlexAttention has no CPU backward: a compiled CPU model uses the full [S, S] mask.
+            pos = torch.arange(q.shape[2], device=q.device)
+            mask = document_causal_mask(document_ids, document_ids, pos, pos).unsqueeze(1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return _blockwise_document_attention(q, k, v, document_ids)
