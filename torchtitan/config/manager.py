@@ -275,9 +275,13 @@ class ConfigManager:
     `config_cls` is a dataclass whose every field is a section dataclass with default values, like JobConfig.
     """
 
-    def __init__(self, config_cls: type = JobConfig, prog: str = "torchtitan") -> None:
+    def __init__(self, config_cls: type = JobConfig, prog: str = "torchtitan", *, skip_retired: bool = False) -> None:
+        """`skip_retired`: a TOML file may hold options retired since (`config_cls.RETIRED_OPTIONS`) and they
+        are ignored: for reading the config a checkpoint was saved with, not for recipes a person edits."""
         self.config_cls = config_cls
         self.prog = prog
+        self._retired: dict[str, str] = getattr(config_cls, "RETIRED_OPTIONS", {})
+        self._skip_retired = skip_retired
         self._sections: dict[str, dict[str, _Option]] = {}
         defaults = config_cls()
         section_types = typing.get_type_hints(config_cls)
@@ -379,6 +383,8 @@ class ConfigManager:
 
     def _lookup(self, name: str, prefix: str = "--") -> _Option:
         """The option `section.key`, or a ConfigError naming the nearest valid ones."""
+        if name in self._retired:
+            raise ConfigError(f"option {prefix}{name} was retired; use {prefix}{self._retired[name]}")
         section, dot, key = name.partition(".")
         if not dot or not section or not key:
             holders = [f"{prefix}{s}.{name}" for s, options in self._sections.items() if name in options]
@@ -436,6 +442,8 @@ class ConfigManager:
             if not isinstance(table, dict):
                 raise ConfigError(f"[{section}] must be a table of options, got {table!r}")
             for key, value in table.items():
+                if self._skip_retired and f"{section}.{key}" in self._retired:
+                    continue
                 option = self._lookup(f"{section}.{key}", prefix="")
                 try:
                     assignments.append((option, _convert_toml(value, option.tp)))
