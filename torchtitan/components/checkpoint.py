@@ -31,8 +31,8 @@ from torchtitan.components import checkpoint_folders as folders
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import save_config
 from torchtitan.tools.logging import logger
+from torchtitan.tools.precision import DTYPES
 
-EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # DCP's CheckpointException derives from BaseException, so `except Exception` alone would miss it.
 DCP_ERRORS = (Exception, dcp.CheckpointException)
@@ -356,7 +356,7 @@ class CheckpointManager:
         if full:
             self._write(folders.step_folder(self.root, step), self.states, step, "full")
         if export:
-            dtype = EXPORT_DTYPES[self.ckpt.export_dtype]
+            dtype = DTYPES[self.ckpt.export_dtype]
             model = {k: v.to(dtype) for k, v in self.model.state_dict().items()}
             self._write(folders.export_folder(self.root, step), {"model": model}, step, "export")
         self._last_saved_step = step
