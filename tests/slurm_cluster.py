@@ -2,9 +2,9 @@
 started from a generated config in one folder and stopped by the pids this module started.
 
 Everything lives under the given folder (key, sockets, state, spool, logs), so nothing of the host's own
-Slurm or munge setup is read or changed. Runs as root (slurmd must). Debian's Slurm is built without
-`--enable-multiple-slurmd`, so there is one node with several CPUs (`nodes=1`); a build that has it can run
-several slurmd on one host (`nodes>1`: each its own NodeName and port).
+Slurm or munge setup is read or changed. Runs as root (slurmd must). Several nodes on one host (`nodes>1`)
+are slurmd processes started with `-N nodeK`, each with its own NodeName and Port but the same address;
+Debian 12's Slurm 22.05 runs them so. `nodes=1` names the node after the host.
 """
 
 import os
