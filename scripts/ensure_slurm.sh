@@ -3,7 +3,7 @@
 # CI machine (CI=true) running as root with apt-get, and only when a program the test needs is missing.
 # Never fails its caller: when it cannot install, it says so in one line and the test skips with its reason.
 # Usage: scripts/ensure_slurm.sh    (scripts/run_tests.sh calls it)
-needed=(munged mungekey slurmctld slurmd sbatch scontrol sinfo)
+needed=(munged mungekey slurmctld slurmd sbatch scontrol sinfo scancel)  # tests/slurm_cluster.py PROGRAMS
 missing=()
 for prog in "${needed[@]}"; do
     command -v "$prog" >/dev/null 2>&1 || [ -x "/usr/sbin/$prog" ] || missing+=("$prog")

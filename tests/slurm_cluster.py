@@ -14,11 +14,11 @@ import subprocess
 import time
 from contextlib import contextmanager
 
-DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sinfo")
+PROGRAMS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "scancel")
 
 
 def missing_programs() -> list[str]:
-    return [name for name in DAEMONS if shutil.which(name) is None and not os.path.exists(f"/usr/sbin/{name}")]
+    return [name for name in PROGRAMS if shutil.which(name) is None and not os.path.exists(f"/usr/sbin/{name}")]
 
 
 def _program(name: str) -> str:
