@@ -19,7 +19,13 @@ import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.components import checkpoint as ckpt
-from torchtitan.components.loss import IGNORE_INDEX, loss_value, per_source_loss_sums, per_source_metrics, pop_source_ids
+from torchtitan.components.loss import (
+    IGNORE_INDEX,
+    loss_value,
+    per_source_loss_sums,
+    per_source_metrics,
+    pop_source_ids,
+)
 from torchtitan.components.metrics import MetricsLogger, throughput_metrics
 from torchtitan.components.train_state import TrainState
 from torchtitan.config import JobConfig

@@ -37,7 +37,8 @@ def packed_batches() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
     ids[1, 5:], ids[1, 30:] = 1, 2
     in_a = ids == 0
     changed = tokens.clone()
-    changed[in_a] = (tokens[in_a] + 1 + torch.randint(0, TINY.vocab_size - 1, (int(in_a.sum()),), generator=g)) % TINY.vocab_size
+    shift = 1 + torch.randint(0, TINY.vocab_size - 1, (int(in_a.sum()),), generator=g)
+    changed[in_a] = (tokens[in_a] + shift) % TINY.vocab_size
     assert (changed[in_a] != tokens[in_a]).all() and torch.equal(changed[~in_a], tokens[~in_a])
     return tokens, changed, ids, in_a
 

@@ -4,7 +4,6 @@ import itertools
 import shutil
 
 import pytest
-import torch
 
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.datasets.dataloader import parse_mixture

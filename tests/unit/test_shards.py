@@ -83,7 +83,8 @@ def test_shards_give_the_same_samples_as_raw_text(shard_root, tok):
 def test_a_rank_reads_only_the_windows_of_its_slice(shard_root, tok, monkeypatch):
     reads = []
     real = shards_mod.ShardSet.tokens
-    monkeypatch.setattr(shards_mod.ShardSet, "tokens", lambda self, start, n: reads.append(start) or real(self, start, n))
+    monkeypatch.setattr(shards_mod.ShardSet, "tokens",
+                        lambda self, start, n: reads.append(start) or real(self, start, n))
     it = iter(_loader(tok, shard_root, dp_rank=1, dp_degree=4, gbs=8))
     for _ in range(3):  # 3 global batches: this rank's 2 windows of each (samples 2, 3 of every 8)
         next(it)

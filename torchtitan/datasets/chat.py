@@ -1,6 +1,7 @@
 """SFT data: chat / instruction records rendered to tokens, with only the answers trained.
 
-Records come from the `chat` dataset (sources.ChatSource: a jsonl(.gz) file at --training.dataset_path). A record is one json line, either
+Records come from the `chat` dataset (sources.ChatSource: a jsonl(.gz) file at --training.dataset_path).
+A record is one json line, either
     {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}
 or  {"prompt": "...", "completion": "..."}  (one user turn and one assistant turn).
 
@@ -23,7 +24,10 @@ def chat_messages(record: dict) -> list[dict]:
     if "messages" in record:
         messages = record["messages"]
     elif "prompt" in record and "completion" in record:
-        messages = [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["completion"]}]
+        messages = [
+            {"role": "user", "content": record["prompt"]},
+            {"role": "assistant", "content": record["completion"]},
+        ]
     else:
         raise ValueError(f"a chat record needs 'messages' or 'prompt' + 'completion', got keys {sorted(record)}")
     for m in messages:

@@ -47,7 +47,9 @@ def open_window_source(
         # open_documents names the valid datasets (and the nearest one) for an unknown name.
         return TextWindows(open_documents(source, dataset_path, split), tokenizer, window, policy)
     if not folder.is_dir():
-        raise FileNotFoundError(f"shard folder {folder} does not exist (write it with python -m torchtitan.datasets.pretokenize)")
+        raise FileNotFoundError(
+            f"shard folder {folder} does not exist (write it with python -m torchtitan.datasets.pretokenize)"
+        )
     if not (folder / split).is_dir():
         raise FileNotFoundError(
             f"shard folder {folder} has no {split}/ split; write it with "

@@ -153,7 +153,9 @@ class ShardWindows:
         # The tail shorter than a window is dropped each epoch.
         self.windows_per_epoch = shards.num_tokens // window
         if self.windows_per_epoch == 0:
-            raise ValueError(f"shards {shards.folder} hold {shards.num_tokens} tokens, fewer than one window ({window})")
+            raise ValueError(
+                f"shards {shards.folder} hold {shards.num_tokens} tokens, fewer than one window ({window})"
+            )
         self.consumed = 0
         self._warned_epoch = 0
 

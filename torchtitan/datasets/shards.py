@@ -107,7 +107,8 @@ def open_shards(folder: str | os.PathLike[str], tokenizer: Tokenizer) -> ShardSe
     folder = Path(folder)
     if not is_shard_folder(folder):
         raise FileNotFoundError(
-            f"{folder} is not a shard folder (no {MANIFEST}); write one with `python -m torchtitan.datasets.pretokenize`"
+            f"{folder} is not a shard folder (no {MANIFEST}); "
+            "write one with `python -m torchtitan.datasets.pretokenize`"
         )
     manifest = json.loads((folder / MANIFEST).read_text())
     if manifest.get("format") != FORMAT:
