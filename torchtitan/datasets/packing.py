@@ -24,6 +24,7 @@ boundary, so saved once and loadable under any data-parallel degree.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -313,18 +314,20 @@ class GlobalBatchSlicer(IterableDataset):
             self._batch_start, self._batch_end, self._yielded = self._batch_end, None, 0
 
     def state_dict(self) -> dict:
+        """{"sample", "yielded", "sources"}; the sources' positions are one JSON string, so a checkpoint
+        stores and restores them whole, whatever sources the loading run reads (DCP loads only the keys of
+        the loading side's state dict)."""
         done = self._batch_end is not None and self._yielded == self.slice_size
         pos = self._batch_end if done else self._batch_start
-        return {**pos, "yielded": 0 if done else self._yielded}
+        return {"sample": pos["sample"], "yielded": 0 if done else self._yielded,
+                "sources": json.dumps(pos["sources"], sort_keys=True)}
 
     def load_state_dict(self, state: dict) -> None:
-        if "doc_index" in state:  # the single-text-source format of earlier checkpoints
-            src = {k: state[k] for k in ("doc_index", "epoch", "buffer")}
-            state = {"sample": 0, "sources": {self.sources[0].name: src}, "yielded": state["yielded"]}
-        unknown = sorted(set(state["sources"]) - set(self.source_names))
+        sources = json.loads(state["sources"])
+        unknown = sorted(set(sources) - set(self.source_names))
         if unknown:
             logger.warning(f"data state names sources {unknown} that this run does not read; they are dropped")
-        self._batch_start = {"sample": state["sample"], "sources": dict(state["sources"])}
+        self._batch_start = {"sample": state["sample"], "sources": sources}
         self._batch_end = None
         # Until iteration restarts, state_dict() must report the loaded position, not the previous iterator's.
         self._resume_skip = self._yielded = state["yielded"]
