@@ -40,6 +40,7 @@ def _blockwise_document_attention(q, k, v, document_ids: torch.Tensor) -> torch.
 
 
 _compiled_flex = None
+_last_block_mask: tuple = (None, None)
 
 
 def _flex_document_attention(q, k, v, document_ids: torch.Tensor) -> torch.Tensor:
@@ -56,8 +57,15 @@ def _flex_document_attention(q, k, v, document_ids: torch.Tensor) -> torch.Tenso
     def mask_mod(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
 
+    global _last_block_mask
     batch, _, seq, _ = q.shape
-    block_mask = create_block_mask(mask_mod, batch, None, seq, seq, device=q.device)
+    cached_ids, block_mask = _last_block_mask
+    # Every layer of one forward gets the same document_ids tensor: build its block mask once (eager only;
+    # the reference to the ids keeps their identity from being reused).
+    if cached_ids is not document_ids or torch.compiler.is_compiling():
+        block_mask = create_block_mask(mask_mod, batch, None, seq, seq, device=q.device)
+        if not torch.compiler.is_compiling():
+            _last_block_mask = (document_ids, block_mask)
     return attend(q, k, v, block_mask=block_mask)
 
 
