@@ -96,3 +96,18 @@ def test_loader_marks_documents_by_bos_and_restarts_positions():
     assert inputs["positions"].tolist() == list(range(n0)) + list(range(n1)) + list(range(len(docs[2]) - 1))
     assert torch.equal(document_ids_from_bos(inputs["tokens"], tok.bos_id), inputs["document_ids"])
     assert torch.equal(labels, window.tokens[1:])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention path: CUDA only")
+def test_flex_attention_on_cuda_is_exact_and_matches_dense_masking():
+    model = build_model().cuda()
+    tokens, changed, ids, in_a = (t.cuda() for t in packed_batches())
+    with torch.no_grad():
+        before, after = model(tokens, document_ids=ids), model(changed, document_ids=ids)
+    assert torch.equal(before[~in_a], after[~in_a])
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 4, SEQ, 16, generator=g).cuda() for _ in range(3))
+    pos = torch.arange(SEQ, device="cuda")
+    mask = attention.document_causal_mask(ids, ids, pos, pos).unsqueeze(1)
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(attention.ScaledDotProductAttention()(q, k, v, ids), dense, rtol=1e-5, atol=1e-5)
