@@ -25,26 +25,27 @@ class JobPlan:
     grad_accum: int
 
 
-def resolve_model(cfg: JobConfig) -> tuple[TrainSpec, object, object]:
+def resolve_model(cfg: JobConfig, tokenizer: object | None = None) -> tuple[TrainSpec, object, object]:
     """(train spec, tokenizer, model args) of a job: the flavor's shape, with the vocabulary of the tokenizer
     in use and room for the recipe's seq_len. Also used offline (conversion, generation) from a checkpoint's
-    saved config, so a model is rebuilt with exactly the shape it was trained with."""
+    saved config, so a model is rebuilt with exactly the shape it was trained with. A caller without the
+    tokenizer file (the dry run) passes a stand-in `tokenizer` with the `vocab_size` to plan for."""
     spec = get_train_spec(cfg.model.name)
     flavor = get_flavor(spec, cfg.model.flavor)
-    tokenizer = spec.build_tokenizer_fn(cfg)
+    tokenizer = tokenizer if tokenizer is not None else spec.build_tokenizer_fn(cfg)
     model_args = dataclasses.replace(
         flavor, vocab_size=tokenizer.vocab_size, max_seq_len=max(flavor.max_seq_len, cfg.training.seq_len)
     )
     return spec, tokenizer, model_args
 
 
-def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
+def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -> JobPlan:
     """Resolves the model, tokenizer and layout, and checks they fit together.
 
     Raises ValueError / LayoutError / FileNotFoundError with one clear line. Used by the trainer and by
     the launcher's pre-flight check, so both judge a job the same way.
     """
-    spec, tokenizer, model_args = resolve_model(cfg)
+    spec, tokenizer, model_args = resolve_model(cfg, tokenizer)
     pd = parallel_dims_from_config(cfg.parallelism, world_size)
     # Shape fields a model may not have (a toy model without attention) are simply not checked.
     pd.check_model({k: getattr(model_args, k) for k in ("n_heads", "n_kv_heads", "dim", "vocab_size") if getattr(model_args, k, None)})
