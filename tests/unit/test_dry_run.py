@@ -98,3 +98,12 @@ def test_every_validation_error_is_one_line(capsys, tmp_path):
 def test_compress_names():
     assert compress_names(["tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.5", "norm"]) == (
         "tok_embeddings", "layers.0-2", "layers.5", "norm")
+
+
+def test_balanced_split_mode_builds_through_the_real_pipeline_function():
+    c = cfg("--model.flavor", "debugmodel_tiny4", "--parallelism.pipeline_parallel_degree", "2",
+            "--training.local_batch_size", "2", "--parallelism.pipeline_parallel_split", "balanced")
+    report = dry_run(c, world_size=2)
+    # The output (2048 x 64) costs ~2.3 blocks of debugmodel_tiny4, so the last stage keeps one block only.
+    assert [s.modules for r in report.ranks for s in r.stages] == [
+        ("tok_embeddings", "layers.0-2"), ("layers.3", "norm", "output")]

@@ -43,6 +43,7 @@ from torch.distributed.pipelining.schedules import (
 
 from torchtitan.components.loss import loss_value
 from torchtitan.distributed.parallel_dims import LayoutError
+from torchtitan.planning.balance import InfeasibleSplit, balanced_split, module_flops
 
 # Schedules by how many stages each rank holds and where they sit.
 SINGLE_STAGE = ("GPipe", "1F1B")
@@ -196,9 +197,12 @@ def _check_microbatches(schedule: str, n: int, pp: int, num_stages: int, how: st
         )
 
 
-def plan_pipeline(p, order: Sequence[str], n_head: int, n_tail: int, local_batch_size: int) -> PipelinePlan:
+def plan_pipeline(
+    p, order: Sequence[str], n_head: int, n_tail: int, local_batch_size: int, costs: Sequence[float] | None = None
+) -> PipelinePlan:
     """Checks a pipeline layout and decides the stages and microbatch count; one LayoutError when it
-    cannot work. `p` is the Parallelism config section, `order` the model's module_order."""
+    cannot work. `p` is the Parallelism config section, `order` the model's module_order, `costs` the
+    modules' compute (needed by pipeline_parallel_split "balanced")."""
     pp = p.pipeline_parallel_degree
     schedule = schedule_name(p.pipeline_parallel_schedule)
     n_layers = len(order) - n_head - n_tail
@@ -223,7 +227,10 @@ def plan_pipeline(p, order: Sequence[str], n_head: int, n_tail: int, local_batch
         stages = split_by_compute(order, n_head, n_tail, num_stages, first_less, last_less, [per] * num_stages)
     else:
         per_rank = 1 if schedule in SINGLE_STAGE else 2
-        stages = split_by_compute(order, n_head, n_tail, pp * per_rank, first_less, last_less)
+        if p.pipeline_parallel_split == "balanced":
+            stages = _balanced_stages(order, costs, pp * per_rank)
+        else:
+            stages = split_by_compute(order, n_head, n_tail, pp * per_rank, first_less, last_less)
 
     mbs = p.pipeline_parallel_microbatch_size
     if mbs < 1 or local_batch_size % mbs:
@@ -234,6 +241,17 @@ def plan_pipeline(p, order: Sequence[str], n_head: int, n_tail: int, local_batch
     n = local_batch_size // mbs
     _check_microbatches(schedule, n, pp, len(stages), f"local_batch_size {local_batch_size} / microbatch size {mbs}")
     return PipelinePlan(schedule, pp, tuple(tuple(s) for s in stages), n)
+
+
+def _balanced_stages(order: Sequence[str], costs: Sequence[float] | None, num_stages: int) -> list[list[str]]:
+    if costs is None or len(costs) != len(order):
+        raise ValueError("pipeline_parallel_split 'balanced' needs one cost per module of the pipeline order")
+    try:
+        sizes = balanced_split(costs, num_stages)
+    except InfeasibleSplit as e:
+        raise LayoutError(f"--parallelism.pipeline_parallel_split balanced: {e}") from None
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [list(order[a : a + n]) for a, n in zip(starts, sizes)]
 
 
 def split_stage(model: nn.Module, keep: Sequence[str], head: Sequence[str], tail: Sequence[str]) -> nn.Module:
@@ -264,6 +282,7 @@ def pipeline_model(
     device: torch.device,
     loss_fn: Callable,
     *,
+    model_args,
     parallelize_fn: Callable,
     head: Sequence[str],
     tail: Sequence[str],
@@ -271,7 +290,13 @@ def pipeline_model(
     """Splits a meta model into this rank's stages, parallelises each with `parallelize_fn` (the same
     function a whole model gets), and returns (schedule, stage modules in stage order)."""
     order = module_order(model, head, tail)
-    plan = plan_pipeline(job_config.parallelism, order, len(head), len(tail), job_config.training.local_batch_size)
+    costs = None
+    if job_config.parallelism.pipeline_parallel_split == "balanced":
+        attention = model_args.flops_per_token(0, job_config.training.seq_len) / len(model.layers)
+        costs = module_flops(model, order, attention)
+    plan = plan_pipeline(
+        job_config.parallelism, order, len(head), len(tail), job_config.training.local_batch_size, costs
+    )
     v = job_config.validation
     if v.enable and v.local_batch_size % plan.n_microbatches:
         raise LayoutError(

@@ -78,6 +78,7 @@ def pipeline_llama(model, parallel_dims, job_config, device, model_args, loss_fn
         job_config,
         device,
         loss_fn,
+        model_args=model_args,
         parallelize_fn=parallelize_llama,
         head=("tok_embeddings",),
         tail=("norm", "output"),
