@@ -31,6 +31,8 @@ from torchtitan.components.quantization import build_model_converters
 from torchtitan.config import JobConfig
 from torchtitan.errors import USER_ERRORS
 from torchtitan.job_plan import JobPlan, plan_job
+from torchtitan.planning.hardware import Device
+from torchtitan.planning.memory import MemoryEstimate, ModelShape, StateBytes, estimate_memory, rank_work
 from torchtitan.tools.precision import DTYPES
 from torchtitan.train_spec import get_flavor, get_train_spec
 
@@ -58,6 +60,8 @@ class RankReport:
     buffer_bytes: int
     stages: tuple[StageContents, ...]
     """The pipeline stages this rank holds (empty without pipeline parallel)."""
+    memory: MemoryEstimate | None = None
+    """Estimated peak memory by component (None when the model has no estimator formula)."""
 
     @property
     def model_state_bytes(self) -> int:
@@ -153,7 +157,9 @@ def part_modules(part: nn.Module) -> list[str]:
     return names
 
 
-def rank_report(rank: int, plan: JobPlan, cfg: JobConfig, parts: list[nn.Module], stages: list) -> RankReport:
+def rank_report(
+    rank: int, plan: JobPlan, cfg: JobConfig, parts: list[nn.Module], stages: list, on_gpu: bool = False
+) -> RankReport:
     params = {id(p): p for part in parts for p in part.parameters()}.values()
     buffers = {id(b): b for part in parts for b in part.buffers()}.values()
     param_bytes = sum(_bytes(p) for p in params)
@@ -163,6 +169,19 @@ def rank_report(rank: int, plan: JobPlan, cfg: JobConfig, parts: list[nn.Module]
     optimizer_bytes = n_states * grad_bytes + STEP_BYTES * len(trainable)
     mesh = plan.parallel_dims.world_mesh
     coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    buffer_bytes = sum(_bytes(b) for b in buffers)
+    memory = None
+    if hasattr(plan.model_args, "hidden_dim"):  # the estimator's formula is that of a Llama-style block
+        pp_rank = coords.get("pp", 0)
+        work = rank_work(
+            cfg, plan.parallel_dims, plan.grad_accum,
+            blocks=sum(len(p.layers) for p in parts),
+            holds_embedding=any(getattr(p, "tok_embeddings", None) is not None for p in parts),
+            holds_output=any(getattr(p, "output", None) is not None for p in parts),
+            pp_rank=pp_rank, stages_per_rank=max(1, len(stages)), on_gpu=on_gpu,
+        )
+        state = StateBytes(param_bytes, grad_bytes, optimizer_bytes, buffer_bytes)
+        memory = estimate_memory(ModelShape.from_args(plan.model_args), state, work)
     return RankReport(
         rank=rank,
         coordinates=coords,
@@ -170,10 +189,11 @@ def rank_report(rank: int, plan: JobPlan, cfg: JobConfig, parts: list[nn.Module]
         param_bytes=param_bytes,
         grad_bytes=grad_bytes,
         optimizer_bytes=optimizer_bytes,
-        buffer_bytes=sum(_bytes(b) for b in buffers),
+        buffer_bytes=buffer_bytes,
         stages=tuple(
             StageContents(s.stage_index, s.num_stages, compress_names(part_modules(s.submod))) for s in stages
         ),
+        memory=memory,
     )
 
 
@@ -181,8 +201,12 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def dry_run(cfg: JobConfig, world_size: int, ranks: Sequence[int] | None = None) -> DryRunReport:
+def dry_run(
+    cfg: JobConfig, world_size: int, ranks: Sequence[int] | None = None, device: Device | None = None
+) -> DryRunReport:
     """Judges the job for `world_size` ranks and builds the requested ranks (default: see default_ranks).
+    With a target `device`, the memory estimate includes the GPU's allocator and runtime overheads and a
+    rank whose estimate exceeds its memory is an error.
     Every problem found becomes one line of `errors`; a tokenizer file that is missing is reported and the
     flavor's vocabulary used instead, so the layout is still checked."""
     start = time.perf_counter()
@@ -226,7 +250,14 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: Sequence[int] | None = None)
                 model.to(DTYPES[cfg.training.dtype])
                 build_model_converters(cfg, pd, torch.device("cpu")).convert(model)
                 parts, stages = build_model_parts(plan, cfg, model)
-                report.ranks.append(rank_report(rank, plan, cfg, parts, stages))
+                r = rank_report(rank, plan, cfg, parts, stages, on_gpu=device is not None)
+                report.ranks.append(r)
+                if device is not None and r.memory is not None and r.memory.peak > device.memory_bytes:
+                    errors.append(
+                        f"rank {rank}: estimated peak memory {r.memory.peak / 2**30:.1f} GiB exceeds the "
+                        f"{device.name}'s {device.memory_bytes / 2**30:.0f} GiB; shard more (FSDP/TP/PP), use "
+                        f"--activation_checkpoint.mode full or a smaller local batch"
+                    )
         except USER_ERRORS as e:
             line = f"rank {rank}: {_one_line(e)}"
             if line.split(": ", 1)[1] not in [x.split(": ", 1)[-1] for x in errors]:
@@ -254,5 +285,8 @@ def format_report(report: DryRunReport) -> str:
         for r in report.ranks:
             for s in r.stages:
                 lines.append(f"rank {r.rank} holds stage {s.index} of {s.num_stages}: {', '.join(s.modules)}")
+        for r in report.ranks:
+            if r.memory is not None:
+                lines.append(f"estimated peak memory of rank {r.rank}:\n{r.memory.table()}")
     lines += [f"error: {e}" for e in report.errors] or ["no validation errors"]
     return "\n".join(lines)

@@ -5,6 +5,7 @@
          + the loss's temporaries (logits, fp32 gradients of the log-probabilities and of the logits)
          + communication/temporary buffers (FSDP's unsharded block parameters and gradients)
          + allocator overhead (CUDA caching allocator: a stated fraction; CPU: none)
+         + CUDA context and NCCL buffers (GPU: a stated constant; CPU: none)
 
 Activation formula, elements per token of one transformer block (D model dim, H FFN hidden, KV the
 key/value width, h heads), measured with torchtitan/tools/activation_memory.py on three shapes (see
@@ -18,6 +19,9 @@ norm outputs the attention and FFN projections keep (2 D). Context parallel divi
 
 import dataclasses
 
+RUNTIME_BYTES_GPU = 2 * 2**30
+"""CUDA context, NCCL's communicator buffers and cuBLAS workspaces per GPU, outside PyTorch's allocator;
+stated, not measured here."""
 ALLOCATOR_OVERHEAD_GPU = 0.08
 """Reserved-but-unused fraction of PyTorch's CUDA caching allocator at peak, a typical figure for these
 transformer steps (fragmentation between differently sized blocks); stated, not measured here."""
@@ -59,7 +63,7 @@ class RankWork:
     """Transformer blocks this rank holds (all its pipeline stages together)."""
     holds_embedding: bool = True
     holds_output: bool = True
-    in_flight: int = 1
+    in_flight: float = 1
     """Microbatches whose activations are alive together (1 without PP; up to pp under 1F1B)."""
     grads_live: bool = False
     """Gradients already exist while activations peak (gradient accumulation or several PP microbatches)."""
@@ -139,6 +143,7 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
         c["gradients"] = state.grads - overlap
     total = sum(c.values())
     c["allocator overhead"] = int(ALLOCATOR_OVERHEAD_GPU * total) if w.on_gpu else 0
+    c["CUDA context and NCCL buffers"] = RUNTIME_BYTES_GPU if w.on_gpu else 0
     return MemoryEstimate(c)
 
 
@@ -151,12 +156,17 @@ def ac_key(ac_cfg) -> str:
     return ac_cfg.mode
 
 
-def in_flight_microbatches(schedule: str, n_microbatches: int, pp: int, pp_rank: int, stages_per_rank: int) -> int:
-    """Microbatches whose activations a pp rank keeps at once, per local stage: GPipe all of them; 1F1B
-    (and the others, in their warm-up) pp - rank, the first rank the most."""
+def in_flight_microbatches(schedule: str, n_microbatches: int, pp: int, pp_rank: int, stages_per_rank: int) -> float:
+    """(stage, microbatch) forwards whose activations a pp rank keeps at once, in units of one whole stage
+    of this rank: GPipe all of them; 1F1B the pp - rank warm-up forwards; looped schedules their warm-up,
+    (v - 1) x pp + 2 x (pp - 1 - rank) + 1 forwards of single stages (v = stages per rank). The
+    estimator multiplies by the blocks of all local stages, hence the division by v."""
+    v = stages_per_rank
     if schedule == "GPipe":
         return n_microbatches
-    return min(n_microbatches, pp - pp_rank + (stages_per_rank - 1) * pp)
+    if v == 1:
+        return min(n_microbatches, pp - pp_rank)
+    return min(v * n_microbatches, (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1) / v
 
 
 def rank_work(cfg, parallel_dims, grad_accum: int, *, blocks: int, holds_embedding: bool, holds_output: bool,

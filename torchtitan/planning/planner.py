@@ -22,7 +22,7 @@ from torchtitan.planning.memory import (
     estimate_memory,
     in_flight_microbatches,
 )
-from torchtitan.planning.step_time import DEFAULT_MFU, StepTime, collective_time
+from torchtitan.planning.step_time import DEFAULT_MFU, FULL_SPEED_TOKENS, StepTime, collective_time
 
 AC_MODES = ("none", "op", "full")
 SCHEDULES = ("1F1B", "Interleaved1F1B")
@@ -161,7 +161,9 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
     # ---- step time ---------------------------------------------------------------------------------------
     per_replica_tokens = global_batch_size // pd.dp * seq_len
     fpt = flops_per_token(shape, seq_len)
-    compute = per_replica_tokens * fpt * _ac_factor(L.ac) / (L.tp * L.cp * L.pp) / (device.bf16_flops * mfu)
+    rank_tokens = (L.microbatch_size if L.pp > 1 else L.local_batch_size) * seq_len / L.cp
+    speed = mfu * min(1.0, rank_tokens / FULL_SPEED_TOKENS)
+    compute = per_replica_tokens * fpt * _ac_factor(L.ac) / (L.tp * L.cp * L.pp) / (device.bf16_flops * speed)
     blocks_per_rank = math.ceil(shape.n_layers / L.pp)
     exposed: dict[str, float] = {}
     hidden = 0.0
@@ -185,24 +187,33 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
         count = 8 + (4 if L.ac == "full" else 0)
         exposed["TP"] = blocks_per_rank * passes * count * per
     if L.cp > 1:
-        kv = tokens_mb * 2 * shape.kv_dim * ACT_BYTES
-        ring = 3 * (L.cp - 1) * collective_time(device, 2, kv, L.cp * L.tp > gpn)
-        attention_share = 12 * shape.n_layers * shape.dim * seq_len / fpt
-        exposed["CP"] = max(0.0, blocks_per_rank * passes * ring - compute * attention_share)
+        kv = tokens_mb * L.cp * 2 * shape.kv_dim * ACT_BYTES  # K and V of the whole sequence
+        per = collective_time(device, L.cp, kv, L.cp * L.tp > gpn)
+        exposed["CP"] = blocks_per_rank * passes * 3 * per
     bubble = 0.0
     if L.pp > 1:
         v = 2 if L.schedule == "Interleaved1F1B" else 1
         bubble = (L.pp - 1) / (v * n_mb)
+        act = tokens_mb * shape.dim * ACT_BYTES / L.tp  # sequence-parallel activations under TP
+        exposed["PP send/recv"] = 2 * v * n_mb * collective_time(device, 2, 2 * act, True)
     t = StepTime(compute, exposed, bubble)
     tps = global_batch_size * seq_len / t.total / devices
     return Candidate(layout, worst, t, tps, tps * fpt / device.bf16_flops)
 
 
-def enumerate_layouts(shape: ModelShape, devices: int, seq_len: int, global_batch_size: int, gpus_per_node: int):
+CP_MIN_SEQ_LEN = 32768
+"""Context parallel is only considered from this sequence length: below it the model does not capture
+what CP costs (attention in 2 x cp small chunks, load-balancing reorders), and practice (Llama 3: CP only
+for the 128K stage) does not use it."""
+
+
+def enumerate_layouts(shape: ModelShape, devices: int, seq_len: int, global_batch_size: int, gpus_per_node: int,
+                      cp_min_seq_len: int = CP_MIN_SEQ_LEN):
     """Every layout of `devices` ranks worth judging: tp within a node, powers of two for cp and pp,
     FSDP or HSDP over what is left, each AC mode, each batch split."""
+    cps = (1, 2, 4, 8, 16, 32) if seq_len >= cp_min_seq_len else (1,)
     for tp in (t for t in _divisors(gpus_per_node) if devices % t == 0):
-        for cp in (c for c in (1, 2, 4, 8, 16, 32) if devices % (tp * c) == 0):
+        for cp in (c for c in cps if devices % (tp * c) == 0):
             for pp in (p for p in (1, 2, 4, 8, 16, 32, 64) if devices % (tp * cp * p) == 0 and p <= shape.n_layers):
                 dp = devices // (tp * cp * pp)
                 if global_batch_size % dp:
@@ -223,9 +234,9 @@ def enumerate_layouts(shape: ModelShape, devices: int, seq_len: int, global_batc
 
 
 def plan_layouts(shape: ModelShape, device: Device, devices: int, seq_len: int, global_batch_size: int,
-                 mfu: float = DEFAULT_MFU) -> PlanResult:
+                 mfu: float = DEFAULT_MFU, cp_min_seq_len: int = CP_MIN_SEQ_LEN) -> PlanResult:
     ranked, dropped = [], {"does not divide / invalid pipeline": 0, "does not fit memory": 0}
-    for layout in enumerate_layouts(shape, devices, seq_len, global_batch_size, device.gpus_per_node):
+    for layout in enumerate_layouts(shape, devices, seq_len, global_batch_size, device.gpus_per_node, cp_min_seq_len):
         try:
             ranked.append(evaluate(shape, layout, device, devices, seq_len, global_batch_size, mfu))
         except LayoutError:

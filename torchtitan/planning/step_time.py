@@ -11,10 +11,13 @@ Rules (per rank, one optimizer step):
   HSDP      all-reduce of the gradient shards across replicas, hidden behind backward like FSDP.
   TP        per block and microbatch: 2 all-gathers + 2 reduce-scatters of the sequence-sharded
             activations in forward, as many in backward (and in the recomputed forward); exposed.
-  CP        ring attention passes K and V around the cp ranks, 3 times (forward, backward's K/V and
-            their gradients); hidden behind the attention FLOPs it overlaps with.
+  CP        the default rotate method all-gathers K and V of the whole sequence before attention and
+            reduce-scatters their gradients in backward (3 collectives per block and microbatch); exposed.
   PP        the schedule's bubble: 1F1B (pp - 1) / n_microbatches extra, interleaved (pp - 1) / (v x n);
-            point-to-point activation transfers are small and ignored.
+            each stage boundary sends the microbatch's activations forward and their gradients back
+            (between nodes); exposed.
+  Small     matmuls and attention reach `mfu` only with at least FULL_SPEED_TOKENS tokens per rank and
+  batches   microbatch; below that the efficiency falls in proportion (kernel launch and latency bound).
 Collectives: ring algorithms, time = (n - 1) x latency + (n - 1) / n x bytes / bandwidth, where the
 bandwidth is NVLink when the whole group sits inside one node and the NIC's share otherwise, at
 `link_efficiency` of the datasheet rate.
@@ -26,6 +29,8 @@ from torchtitan.planning.hardware import Device
 
 DEFAULT_MFU = 0.5
 """Fraction of the dense bf16 peak large transformer matmuls reach (flash attention included)."""
+FULL_SPEED_TOKENS = 4096
+"""Tokens per rank and microbatch from which H100-class matmuls and flash attention run at full speed."""
 LINK_EFFICIENCY = {"intra": 0.8, "inter": 0.7}
 """Achieved bus bandwidth of NCCL collectives as a fraction of the link rate."""
 LATENCY_S = {"intra": 3e-6, "inter": 15e-6}
