@@ -264,3 +264,44 @@ def explain(c: Candidate, seq_len: int, global_batch_size: int, device: Device) 
             f"  peak memory {c.memory.peak / 2**30:.1f} GiB of {device.memory_bytes / 2**30:.0f} GiB "
             f"(activations {c.memory.components['activations'] / 2**30:.1f}, model states "
             f"{sum(c.memory.components[k] for k in ('parameters', 'gradients', 'optimizer state')) / 2**30:.1f})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+    """A layout someone trained with, and the throughput they reported (tokens/s/GPU; 0 = not published)."""
+
+    name: str
+    flavor: str
+    devices: int
+    seq_len: int
+    global_batch_size: int
+    tp: int
+    pp: int
+    cp: int
+    tokens_per_s: float
+    """Reported tokens/s/GPU, or FLOP/s/GPU converted with this model's flops_per_token (see below)."""
+    source: str
+
+    def describe(self) -> str:
+        dp = self.devices // (self.tp * self.pp * self.cp)
+        return " x ".join(f"{n} {v}" for n, v in (("pp", self.pp), ("dp", dp), ("cp", self.cp), ("tp", self.tp)) if v > 1)
+
+
+def matches(layout: Layout, p: Published) -> bool:
+    """The published degrees (FSDP or HSDP for the data-parallel part, any AC and batch split)."""
+    return (layout.tp, layout.pp, layout.cp) == (p.tp, p.pp, p.cp)
+
+
+PUBLISHED = (
+    Published("Llama 3.1 8B, 8 H100", "8B", 8, 8192, 16, 1, 1, 1, 5762,
+              "torchtitan paper (arXiv 2410.06511), 1D FSDP, bf16, no compile"),
+    Published("Llama 3.1 70B, 256 H100", "70B", 256, 8192, 256, 8, 1, 1, 829,
+              "torchtitan paper, 2D FSDP x TP 8"),
+    Published("Llama 3.1 405B, 512 H100", "405B", 512, 8192, 256, 8, 8, 1, 100,
+              "torchtitan paper, 3D FSDP 8 x TP 8 x PP 8, 1F1B"),
+    Published("Llama 3 405B, 16K H100", "405B", 16384, 8192, 2048, 8, 16, 1,
+              400e12 / flops_per_token(ModelShape(16384, 53248, 1024, 128, 128256, 126), 8192),
+              "Llama 3 paper (arXiv 2407.21783) Table 4: 400 TFLOP/s/GPU (38% MFU) at TP 8, PP 16, DP 128, 8K "
+              "sequences, 16M tokens per batch; converted to tokens/s with flops_per_token"),
+)
+"""Published layouts the planner is checked against (tests/unit/test_planner.py, docs/planning.md)."""
