@@ -12,7 +12,8 @@ Exits 1 when the job has a validation error, 2 on a bad command line. See docs/p
 
 import sys
 
-from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.config import ConfigError
+from torchtitan.protocols.train_spec import config_manager
 
 USAGE = ("usage: python -m torchtitan.dry_run --world-size N [--ranks R,R,...] [--device-type NAME] "
          "[job options, see --help]")
@@ -29,7 +30,7 @@ def _take(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
 
 def main(argv: list[str]) -> int:
     if argv[:1] in (["-h"], ["--help"]):
-        print(f"{USAGE}\n\n{ConfigManager().help_text()}")
+        print(f"{USAGE}\n\n{config_manager().help_text()}")
         return 0
     try:
         world, argv = _take(argv, "--world-size")
@@ -39,7 +40,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"--world-size must be a positive integer (got {world}); {USAGE}")
         if ranks is not None and not all(r.strip().isdigit() for r in ranks.split(",")):
             raise ConfigError(f"--ranks must be comma-separated rank numbers (got {ranks!r})")
-        cfg = ConfigManager().parse_args(argv)
+        cfg = config_manager().parse_args(argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
     from torchtitan.planning.memory import ModelShape
     from torchtitan.planning.planner import explain, plan_layouts
     from torchtitan.planning.step_time import DEFAULT_MFU
-    from torchtitan.train_spec import get_flavor, get_train_spec
+    from torchtitan.protocols.train_spec import get_flavor, get_train_spec
 
     try:
         device = get_device(a.device_type)

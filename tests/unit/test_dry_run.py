@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from torchtitan.config import ConfigManager
+from torchtitan.protocols.train_spec import config_manager
 from torchtitan.dry_run import main as dry_run_main
 from torchtitan.planning.dry_run import compress_names, dry_run
 
@@ -16,7 +16,7 @@ BLOCK_NORMS = 2
 
 
 def cfg(*args):
-    return ConfigManager().parse_args(["--model.flavor", "debugmodel_tiny", "--training.seq_len", "64", *args])
+    return config_manager().parse_args(["--model.flavor", "debugmodel_tiny", "--training.seq_len", "64", *args])
 
 
 def shard_rows(rows: int, world: int, rank: int) -> int:

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from torchtitan.config import ConfigManager
+from torchtitan.protocols.train_spec import config_manager
 from torchtitan.job_plan import plan_job
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.plan import main as plan_main
@@ -40,7 +40,7 @@ def test_the_printed_toml_is_a_valid_recipe_for_the_world(tmp_path):
     best = plan_layouts(shape("70B"), H100, 256, 8192, 256).ranked[0].layout
     recipe = tmp_path / "plan.toml"
     recipe.write_text('[model]\nflavor = "70B"\n\n' + best.toml(8192, 256))
-    cfg = ConfigManager().parse_args(["--job.config_file", str(recipe)])
+    cfg = config_manager().parse_args(["--job.config_file", str(recipe)])
     plan = plan_job(cfg, 256, SimpleNamespace(vocab_size=128256))
     pd = plan.parallel_dims
     assert (pd.tp, pd.pp, pd.dp_shard, pd.dp_replicate) == (best.tp, best.pp, best.dp_shard, best.dp_replicate)

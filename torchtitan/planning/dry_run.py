@@ -17,6 +17,7 @@ Bytes per rank:
 """
 
 import contextlib
+import copy
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -27,14 +28,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.quantization import build_model_converters
 from torchtitan.config import JobConfig
 from torchtitan.errors import USER_ERRORS
 from torchtitan.job_plan import JobPlan, plan_job
 from torchtitan.planning.hardware import Device
 from torchtitan.planning.memory import MemoryEstimate, ModelShape, StateBytes, estimate_memory, rank_work
-from torchtitan.tools.precision import DTYPES
-from torchtitan.train_spec import get_flavor, get_train_spec
+from torchtitan.protocols.train_spec import get_flavor, get_train_spec
 
 OPTIMIZER_STATES_PER_PARAM = {"Adam": 2, "AdamW": 2}
 """Tensors shaped like the parameter that each optimizer keeps (besides its scalar step)."""
@@ -103,15 +102,16 @@ def _unused_loss(logits, labels):
     raise RuntimeError("a dry run never runs a training step")
 
 
-def build_model_parts(plan: JobPlan, cfg: JobConfig, model: nn.Module) -> tuple[list[nn.Module], list]:
+def build_model_parts(plan: JobPlan, cfg: JobConfig) -> tuple[list[nn.Module], list]:
     """The rank's model parts, parallelised the way the trainer does it, and its pipeline stages (empty
     without PP). The one place the dry run calls the train spec's parallelisation."""
     pd = plan.parallel_dims
+    model = copy.deepcopy(plan.model)  # parallelising changes a model in place; each rank gets its own copy
     if not pd.pp_enabled:
         return [plan.spec.parallelize_fn(model, pd, cfg)], []
-    schedule, parts = plan.spec.pipelining_fn(model, pd, cfg, torch.device("cpu"), plan.model_args, _unused_loss)
-    stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
-    return parts, stages
+    pipeline = plan.spec.pipelining_fn(model, pd, cfg, torch.device("cpu"), plan.spec.parallelize_fn, _unused_loss)
+    schedule = pipeline.schedule
+    return pipeline.parts, list(getattr(schedule, "_stages", None) or [schedule._stage])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -245,11 +245,7 @@ def dry_run(
         try:
             with fake_process_group(rank, world_size):
                 pd.build_mesh("cpu")
-                with torch.device("meta"):
-                    model = plan.spec.model_cls(plan.model_args)
-                model.to(DTYPES[cfg.training.dtype])
-                build_model_converters(cfg, pd, torch.device("cpu")).convert(model)
-                parts, stages = build_model_parts(plan, cfg, model)
+                parts, stages = build_model_parts(plan, cfg)
                 r = rank_report(rank, plan, cfg, parts, stages, on_gpu=device is not None)
                 report.ranks.append(r)
                 if device is not None and r.memory is not None and r.memory.peak > device.memory_bytes:

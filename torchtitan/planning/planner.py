@@ -119,8 +119,8 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
     """Memory and step time of one layout; raises LayoutError when the layout cannot run."""
     L = layout
     pd = ParallelDims(L.dp_replicate, L.dp_shard, L.cp, L.tp, L.pp, devices)
-    pd.check_model({"n_heads": shape.n_heads, "n_kv_heads": shape.kv_dim // (shape.dim // shape.n_heads),
-                    "dim": shape.dim, "vocab_size": shape.vocab})
+    pd.check_model({"tp": {"n_heads": shape.n_heads, "n_kv_heads": shape.kv_dim // (shape.dim // shape.n_heads),
+                           "dim": shape.dim, "vocab_size": shape.vocab}})
     pd.check_batch(seq_len=seq_len, global_batch_size=global_batch_size, local_batch_size=L.local_batch_size)
     params = _module_params(shape)
     fsdp = L.dp_shard * L.cp
