@@ -27,6 +27,15 @@ from torchtitan.models.llama3 import Transformer, llama3_flavors  # noqa: E402
 from torchtitan.planning.balance import bottleneck, module_flops  # noqa: E402
 
 
+def output_over_block(flavor: str, seq_len: int) -> float:
+    args = dataclasses.replace(llama3_flavors[flavor], vocab_size=2048)
+    with torch.device("meta"):
+        model = Transformer(args)
+    order = module_order(model, ("tok_embeddings",), ("norm", "output"))
+    costs = module_flops(model, order, args.flops_per_token(0, seq_len) / args.n_layers)
+    return costs[-1] / costs[1]
+
+
 def predicted(flavor: str, seq_len: int, microbatches: int) -> dict[str, float]:
     args = dataclasses.replace(llama3_flavors[flavor], vocab_size=2048)  # the shipped tokenizer's vocabulary
     with torch.device("meta"):
@@ -43,6 +52,36 @@ def predicted(flavor: str, seq_len: int, microbatches: int) -> dict[str, float]:
     return out
 
 
+def measured_block_vs_output(flavor: str, seq_len: int, microbatch_size: int, reps: int = 5) -> tuple[float, float]:
+    """Median forward+backward seconds of one block and of norm + output + loss, one microbatch, fp32."""
+    import time
+
+    from torchtitan.components.loss import cross_entropy_sum
+
+    args = dataclasses.replace(llama3_flavors[flavor], vocab_size=2048)
+    model = Transformer(args)
+    h = torch.randn(microbatch_size, seq_len, args.dim, requires_grad=True)
+    labels = torch.randint(0, 2048, (microbatch_size, seq_len))
+    block = model.layers["0"]
+    rope = model.rope_cache
+
+    def run_block():
+        block(h, rope, None).sum().backward()
+
+    def run_output():
+        cross_entropy_sum(model.output(model.norm(h)), labels).backward()
+
+    out = []
+    for fn in (run_block, run_output):
+        times = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out.append(statistics.median(times[1:]))
+    return out[0], out[1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--flavor", default="debugmodel_tiny4")
@@ -53,6 +92,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     pred = predicted(args.flavor, args.seq_len, args.microbatches)
+    t_block, t_out = measured_block_vs_output(args.flavor, args.seq_len, args.microbatch_size)
+    print(f"measured fwd+bwd per microbatch: block {1e3 * t_block:.1f} ms, norm+output+loss {1e3 * t_out:.1f} ms "
+          f"(output/block {t_out / t_block:.2f}; by FLOPs {output_over_block(args.flavor, args.seq_len):.2f})")
     common = [
         "--model.flavor", args.flavor, "--training.seq_len", str(args.seq_len),
         "--training.local_batch_size", str(args.microbatches * args.microbatch_size),

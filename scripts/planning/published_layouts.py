@@ -23,7 +23,8 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for case in PUBLISHED:
         shape = ModelShape.from_args(llama3_flavors[case.flavor])
-        result = plan_layouts(shape, device, case.devices, case.seq_len, case.global_batch_size)
+        result = plan_layouts(shape, device, case.devices, case.seq_len, case.global_batch_size,
+                              network=case.network)
         rank = next((i for i, c in enumerate(result.ranked, 1) if matches(c.layout, case)), None)
         cand = result.ranked[rank - 1] if rank else None
         ratio = (f"{cand.tokens_per_s_per_device:,.0f} / {case.tokens_per_s:,.0f} = "

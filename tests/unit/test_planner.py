@@ -26,7 +26,8 @@ def test_8b_on_8_h100_is_plain_fsdp():
 
 @pytest.mark.parametrize("case", PUBLISHED, ids=lambda c: c.name)
 def test_published_layouts_fit_rank_high_and_predict_their_throughput(case):
-    result = plan_layouts(shape(case.flavor), H100, case.devices, case.seq_len, case.global_batch_size)
+    result = plan_layouts(shape(case.flavor), H100, case.devices, case.seq_len, case.global_batch_size,
+                          network=case.network)
     ranks = [i for i, c in enumerate(result.ranked) if matches(c.layout, case)]
     assert ranks, f"the published layout {case.describe()} was dropped"
     # The model ranks every published layout among its 20 best; the exact order among close layouts is

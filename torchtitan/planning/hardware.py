@@ -47,3 +47,19 @@ def get_device(name: str) -> Device:
     near = difflib.get_close_matches(name, DEVICES, n=3) or sorted(DEVICES)
     raise ValueError(f"unknown device type {name!r} (--device-type); known: {', '.join(near)} "
                      f"(add one to torchtitan/planning/hardware.py DEVICES)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """How the nodes are connected: full bisection bandwidth within a pod of `pod_size` GPUs (0 = the whole
+    cluster is one pod), `cross_pod_fraction` of it between pods (1 / the oversubscription of the layer
+    above the pods)."""
+
+    pod_size: int = 0
+    cross_pod_fraction: float = 1.0
+
+
+FLAT_NETWORK = Network()
+LLAMA3_RDMA_CLUSTER = Network(pod_size=3072, cross_pod_fraction=1 / 7)
+"""Meta's 24K-GPU RoCE cluster (Llama 3 paper, section 3.3.1): pods of 3,072 GPUs with full bisection
+bandwidth; the aggregation layer between pods is oversubscribed 1:7."""

@@ -13,7 +13,7 @@ import math
 from torchtitan.config.job_config import Parallelism
 from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims
 from torchtitan.distributed.pipeline import plan_pipeline
-from torchtitan.planning.hardware import Device
+from torchtitan.planning.hardware import FLAT_NETWORK, LLAMA3_RDMA_CLUSTER, Device, Network
 from torchtitan.planning.memory import (
     MemoryEstimate,
     ModelShape,
@@ -46,6 +46,9 @@ class Layout:
     """Sequences per pipeline microbatch (PP only)."""
     schedule: str = ""
     grad_accum: int = 1
+    layers_per_stage: int | None = None
+    """Interleaved schedules: units of compute per stage (pipeline_parallel_layers_per_stage); None = 2
+    stages per rank."""
 
     def toml(self, seq_len: int, global_batch_size: int) -> str:
         ac = {"none": 'mode = "none"', "full": 'mode = "full"',
@@ -60,6 +63,8 @@ class Layout:
         if self.pp > 1:
             lines += [f'pipeline_parallel_schedule = "{self.schedule}"',
                       f"pipeline_parallel_microbatch_size = {self.microbatch_size}"]
+            if self.layers_per_stage is not None:
+                lines.append(f"pipeline_parallel_layers_per_stage = {self.layers_per_stage}")
         return "\n".join(lines + ["", "[activation_checkpoint]", ac])
 
     def describe(self) -> str:
@@ -69,6 +74,8 @@ class Layout:
         s += f", AC {'selective op' if self.ac == 'op' else self.ac}"
         if self.pp > 1:
             s += f", {self.schedule} {self.local_batch_size // self.microbatch_size} microbatches of {self.microbatch_size}"
+            if self.layers_per_stage is not None:
+                s += f", {self.layers_per_stage} layers per stage"
         else:
             s += f", local batch {self.local_batch_size}" + (f" x {self.grad_accum} accumulation" if self.grad_accum > 1 else "")
         return s
@@ -115,7 +122,7 @@ def _ac_factor(ac: str) -> float:
 
 
 def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, seq_len: int,
-             global_batch_size: int, mfu: float = DEFAULT_MFU) -> Candidate:
+             global_batch_size: int, mfu: float = DEFAULT_MFU, network: Network = FLAT_NETWORK) -> Candidate:
     """Memory and step time of one layout; raises LayoutError when the layout cannot run."""
     L = layout
     pd = ParallelDims(L.dp_replicate, L.dp_shard, L.cp, L.tp, L.pp, devices)
@@ -124,11 +131,11 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
     pd.check_batch(seq_len=seq_len, global_batch_size=global_batch_size, local_batch_size=L.local_batch_size)
     params = _module_params(shape)
     fsdp = L.dp_shard * L.cp
-    gpn = device.gpus_per_node
     if L.pp > 1:
         plan = plan_pipeline(
             Parallelism(pipeline_parallel_degree=L.pp, pipeline_parallel_schedule=L.schedule,
-                        pipeline_parallel_microbatch_size=L.microbatch_size),
+                        pipeline_parallel_microbatch_size=L.microbatch_size,
+                        pipeline_parallel_layers_per_stage=L.layers_per_stage),
             _order(shape), 1, 2, L.local_batch_size)
         per_rank_stages = {r: [plan.stages[s] for s in plan.local_stages(r)] for r in (0, L.pp - 1)}
         n_mb = plan.n_microbatches
@@ -168,34 +175,34 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
     exposed: dict[str, float] = {}
     hidden = 0.0
     if fsdp > 1:
-        spans = L.tp * fsdp > gpn
+        span = L.tp * fsdp
         block = shape.block_params / L.tp
-        ag, rs = (collective_time(device, fsdp, block * b, spans) for b in (2, 4))
+        ag, rs = (collective_time(device, fsdp, block * b, span, network) for b in (2, 4))
         gathers = 1 if L.pp > 1 else 2 * n_mb  # PP keeps a stage gathered for the whole schedule step
         units = blocks_per_rank + 1  # + the embedding / output group, about a block's size each
         hidden += units * (gathers * ag + rs)
     if L.dp_replicate > 1:
         shard = stage_params_max / (L.tp * fsdp) * 4
-        hidden += 2 * collective_time(device, L.dp_replicate, shard, True)
+        hidden += 2 * collective_time(device, L.dp_replicate, shard, L.dp_replicate * fsdp * L.tp, network)
     if hidden:
         per_block = hidden / (blocks_per_rank + 1)
         exposed["FSDP/HSDP"] = max(0.0, hidden - compute) + per_block
     tokens_mb = (L.microbatch_size if L.pp > 1 else L.local_batch_size) * seq_len / L.cp
     passes = n_mb if L.pp > 1 else L.grad_accum
     if L.tp > 1:
-        per = collective_time(device, L.tp, tokens_mb * shape.dim * ACT_BYTES, L.tp > gpn)
+        per = collective_time(device, L.tp, tokens_mb * shape.dim * ACT_BYTES, L.tp, network)
         count = 8 + (4 if L.ac == "full" else 0)
         exposed["TP"] = blocks_per_rank * passes * count * per
     if L.cp > 1:
         kv = tokens_mb * L.cp * 2 * shape.kv_dim * ACT_BYTES  # K and V of the whole sequence
-        per = collective_time(device, L.cp, kv, L.cp * L.tp > gpn)
+        per = collective_time(device, L.cp, kv, L.cp * L.tp, network)
         exposed["CP"] = blocks_per_rank * passes * 3 * per
     bubble = 0.0
     if L.pp > 1:
-        v = 2 if L.schedule == "Interleaved1F1B" else 1
+        v = plan.stages_per_rank
         bubble = (L.pp - 1) / (v * n_mb)
         act = tokens_mb * shape.dim * ACT_BYTES / L.tp  # sequence-parallel activations under TP
-        exposed["PP send/recv"] = 2 * v * n_mb * collective_time(device, 2, 2 * act, True)
+        exposed["PP send/recv"] = 2 * v * n_mb * collective_time(device, 2, 2 * act, 2 * devices // L.pp, network)
     t = StepTime(compute, exposed, bubble)
     tps = global_batch_size * seq_len / t.total / devices
     return Candidate(layout, worst, t, tps, tps * fpt / device.bf16_flops)
@@ -229,16 +236,23 @@ def enumerate_layouts(shape: ModelShape, devices: int, seq_len: int, global_batc
                                 yield Layout(dp_replicate, dp_shard, cp, tp, pp, ac, lbs, 1, "", per_replica // lbs)
                         else:
                             for schedule in SCHEDULES:
-                                for mbs in _divisors(per_replica):
-                                    yield Layout(dp_replicate, dp_shard, cp, tp, pp, ac, per_replica, mbs, schedule)
+                                # Interleaved: 2 stages per rank by default, or more (smaller bubble, more sends).
+                                per_stage = [None] + ([u for u in (1, 2, 4) if (shape.n_layers + 2) % (u * pp) == 0
+                                                       and (shape.n_layers + 2) // (u * pp) > 2]
+                                                      if schedule != "1F1B" else [])
+                                for lps in per_stage:
+                                    for mbs in _divisors(per_replica):
+                                        yield Layout(dp_replicate, dp_shard, cp, tp, pp, ac, per_replica, mbs, schedule,
+                                                     layers_per_stage=lps)
 
 
 def plan_layouts(shape: ModelShape, device: Device, devices: int, seq_len: int, global_batch_size: int,
-                 mfu: float = DEFAULT_MFU, cp_min_seq_len: int = CP_MIN_SEQ_LEN) -> PlanResult:
+                 mfu: float = DEFAULT_MFU, cp_min_seq_len: int = CP_MIN_SEQ_LEN,
+                 network: Network = FLAT_NETWORK) -> PlanResult:
     ranked, dropped = [], {"does not divide / invalid pipeline": 0, "does not fit memory": 0}
     for layout in enumerate_layouts(shape, devices, seq_len, global_batch_size, device.gpus_per_node, cp_min_seq_len):
         try:
-            ranked.append(evaluate(shape, layout, device, devices, seq_len, global_batch_size, mfu))
+            ranked.append(evaluate(shape, layout, device, devices, seq_len, global_batch_size, mfu, network))
         except LayoutError:
             dropped["does not divide / invalid pipeline"] += 1
         except MemoryError:
@@ -281,6 +295,7 @@ class Published:
     tokens_per_s: float
     """Reported tokens/s/GPU, or FLOP/s/GPU converted with this model's flops_per_token (see below)."""
     source: str
+    network: Network = FLAT_NETWORK
 
     def describe(self) -> str:
         dp = self.devices // (self.tp * self.pp * self.cp)
@@ -302,6 +317,6 @@ PUBLISHED = (
     Published("Llama 3 405B, 16K H100", "405B", 16384, 8192, 2048, 8, 16, 1,
               400e12 / flops_per_token(ModelShape(16384, 53248, 1024, 128, 128256, 126), 8192),
               "Llama 3 paper (arXiv 2407.21783) Table 4: 400 TFLOP/s/GPU (38% MFU) at TP 8, PP 16, DP 128, 8K "
-              "sequences, 16M tokens per batch; converted to tokens/s with flops_per_token"),
+              "sequences, 16M tokens per batch; converted to tokens/s with flops_per_token", LLAMA3_RDMA_CLUSTER),
 )
 """Published layouts the planner is checked against (tests/unit/test_planner.py, docs/planning.md)."""

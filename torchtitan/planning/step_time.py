@@ -20,12 +20,14 @@ Rules (per rank, one optimizer step):
   batches   microbatch; below that the efficiency falls in proportion (kernel launch and latency bound).
 Collectives: ring algorithms, time = (n - 1) x latency + (n - 1) / n x bytes / bandwidth, where the
 bandwidth is NVLink when the whole group sits inside one node and the NIC's share otherwise, at
-`link_efficiency` of the datasheet rate.
+LINK_EFFICIENCY of the datasheet rate, and the cross-pod share of that when the group leaves a pod of
+the network (hardware.Network). A group spans its size x its stride in the mesh (pp, dp_replicate,
+dp_shard, cp, tp from outermost to innermost).
 """
 
 import dataclasses
 
-from torchtitan.planning.hardware import Device
+from torchtitan.planning.hardware import FLAT_NETWORK, Device, Network
 
 DEFAULT_MFU = 0.5
 """Fraction of the dense bf16 peak large transformer matmuls reach (flash attention included)."""
@@ -48,10 +50,14 @@ class StepTime:
         return self.compute * (1 + self.bubble) + sum(self.exposed.values())
 
 
-def collective_time(device: Device, group: int, bytes_per_rank: float, spans_nodes: bool) -> float:
-    """Ring all-gather / reduce-scatter of `bytes_per_rank` (the full buffer) over `group` ranks."""
+def collective_time(device: Device, group: int, bytes_per_rank: float, span: int, network: Network = FLAT_NETWORK) -> float:
+    """Ring all-gather / reduce-scatter of `bytes_per_rank` (the full buffer) over `group` ranks that lie
+    within `span` consecutive ranks: NVLink inside a node, the NIC between nodes, the NIC's cross-pod share
+    when the span leaves a pod."""
     if group <= 1:
         return 0.0
-    where = "inter" if spans_nodes else "intra"
-    bw = (device.inter_node_bw if spans_nodes else device.intra_node_bw) * LINK_EFFICIENCY[where]
+    where = "inter" if span > device.gpus_per_node else "intra"
+    bw = (device.inter_node_bw if where == "inter" else device.intra_node_bw) * LINK_EFFICIENCY[where]
+    if network.pod_size and span > network.pod_size:
+        bw *= network.cross_pod_fraction
     return (group - 1) * LATENCY_S[where] + (group - 1) / group * bytes_per_rank / bw
