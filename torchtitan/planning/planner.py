@@ -258,7 +258,8 @@ def plan_layouts(shape: ModelShape, device: Device, devices: int, seq_len: int, 
         except MemoryError:
             dropped["does not fit memory"] += 1
     # Fastest first; among equals the simpler layout (fewer parallel dimensions, less recompute).
-    ranked.sort(key=lambda c: (round(c.time.total, 6), _complexity(c.layout)))
+    # (Times equal to 3 significant digits are a tie: the model cannot tell them apart.)
+    ranked.sort(key=lambda c: (float(f"{c.time.total:.3g}"), _complexity(c.layout)))
     return PlanResult(ranked, dropped)
 
 
