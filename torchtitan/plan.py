@@ -37,6 +37,8 @@ def main(argv: list[str]) -> int:
         args = get_flavor(get_train_spec(a.model), a.flavor)
         if a.vocab_size:
             args = dataclasses.replace(args, vocab_size=a.vocab_size)
+        if not hasattr(args, "hidden_dim"):
+            raise ValueError(f"the planner's formulas are for Llama-style blocks; model {a.model!r} has none")
         if a.devices < 1 or a.seq_len < 1 or a.global_batch_size < 1:
             raise ValueError("--devices, --seq-len and --global-batch-size must be positive")
     except USER_ERRORS as e:
