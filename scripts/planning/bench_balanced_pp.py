@@ -4,10 +4,12 @@
 
 Prediction: module FLOPs (torchtitan/planning/balance.py module_flops) summed per stage for both splits;
 the ratio of the slowest stages. Measurement: the real trainer, PP 2 over gloo, 1F1B, fp32, rounds
-interleaved; median step time of the steps after the first two (scripts/bench_pipeline.py step_times).
+interleaved; median step time of the steps after the first two (scripts/bench_pipeline.py step_times),
+and, in a second run of each, the busiest rank's CPU seconds per step (robust to a shared machine's load).
 """
 
 import argparse
+import os
 import dataclasses
 import platform
 import statistics
@@ -53,7 +55,8 @@ def predicted(flavor: str, seq_len: int, microbatches: int) -> dict[str, float]:
 
 
 def measured_block_vs_output(flavor: str, seq_len: int, microbatch_size: int, reps: int = 5) -> tuple[float, float]:
-    """Median forward+backward seconds of one block and of norm + output + loss, one microbatch, fp32."""
+    """Median forward+backward CPU seconds of one block and of norm + output + loss, one microbatch, fp32
+    (process CPU time: robust to other jobs on the machine)."""
     import time
 
     from torchtitan.components.loss import cross_entropy_sum
@@ -75,11 +78,37 @@ def measured_block_vs_output(flavor: str, seq_len: int, microbatch_size: int, re
     for fn in (run_block, run_output):
         times = []
         for _ in range(reps + 1):
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             fn()
-            times.append(time.perf_counter() - t0)
+            times.append(time.process_time() - t0)
         out.append(statistics.median(times[1:]))
     return out[0], out[1]
+
+
+def _train_cpu_seconds(rank, world_size, argv, folder):
+    """CPU seconds this rank's process spent in trainer.train() (all its threads)."""
+    import time
+
+    from torchtitan.protocols.train_spec import config_manager
+    from torchtitan.trainer import Trainer
+
+    trainer = Trainer(config_manager().parse_args(argv + ["--job.dump_folder", folder]))
+    try:
+        start = time.process_time()
+        trainer.train()
+        return time.process_time() - start
+    finally:
+        trainer.close()
+
+
+def busiest_rank_cpu_per_step(argv: list[str], steps: int) -> float:
+    """The busiest rank's CPU seconds per step: what bounds the step on cores of its own, whatever else
+    the machine runs (wall time on a shared machine is set by the scheduler, not by the stage's work)."""
+    import tempfile
+
+    from tests.multiprocess import run_ranks
+
+    return max(run_ranks(_train_cpu_seconds, 2, argv, tempfile.mkdtemp(prefix="bench_bal_"))) / steps
 
 
 def main() -> None:
@@ -93,7 +122,7 @@ def main() -> None:
     args = ap.parse_args()
     pred = predicted(args.flavor, args.seq_len, args.microbatches)
     t_block, t_out = measured_block_vs_output(args.flavor, args.seq_len, args.microbatch_size)
-    print(f"measured fwd+bwd per microbatch: block {1e3 * t_block:.1f} ms, norm+output+loss {1e3 * t_out:.1f} ms "
+    print(f"measured fwd+bwd CPU time per microbatch: block {1e3 * t_block:.1f} ms, norm+output+loss {1e3 * t_out:.1f} ms "
           f"(output/block {t_out / t_block:.2f}; by FLOPs {output_over_block(args.flavor, args.seq_len):.2f})")
     common = [
         "--model.flavor", args.flavor, "--training.seq_len", str(args.seq_len),
@@ -104,17 +133,23 @@ def main() -> None:
         "--validation.enable", "false",
     ]
     times: dict[str, list[float]] = {"layers": [], "balanced": []}
+    cpu: dict[str, list[float]] = {"layers": [], "balanced": []}
     for _ in range(args.rounds):
         for split in times:
-            times[split] += step_times(2, common + ["--parallelism.pipeline_parallel_split", split])
+            argv = common + ["--parallelism.pipeline_parallel_split", split]
+            times[split] += step_times(2, argv)
+            cpu[split].append(busiest_rank_cpu_per_step(argv, args.steps))
     med = {k: statistics.median(v) for k, v in times.items()}
+    cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
     print(f"\nCPU: {platform.processor() or platform.machine()}; {args.flavor}, seq {args.seq_len}, "
-          f"{args.microbatches} microbatches, PP 2 1F1B")
-    print("| split | predicted bottleneck (MFLOP/token) | median step (s) |\n|---|---|---|")
+          f"{args.microbatches} microbatches of {args.microbatch_size}, PP 2 1F1B; load average "
+          f"{os.getloadavg()[0]:.1f}")
+    print("| split | predicted bottleneck (MFLOP/token) | median wall step (s) | busiest rank CPU s/step |")
+    print("|---|---|---|---|")
     for k in times:
-        print(f"| {k} | {pred[k] / 1e6:.2f} | {med[k]:.3f} |")
-    print(f"\npredicted even/balanced bottleneck: {pred['layers'] / pred['balanced']:.2f}x; "
-          f"measured even/balanced step time: {med['layers'] / med['balanced']:.2f}x")
+        print(f"| {k} | {pred[k] / 1e6:.2f} | {med[k]:.3f} | {cpu_med[k]:.3f} |")
+    print(f"\npredicted even/balanced bottleneck: {pred['layers'] / pred['balanced']:.2f}x; measured even/balanced: "
+          f"wall step {med['layers'] / med['balanced']:.2f}x, busiest rank CPU {cpu_med['layers'] / cpu_med['balanced']:.2f}x")
 
 
 if __name__ == "__main__":
