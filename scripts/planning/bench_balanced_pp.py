@@ -61,6 +61,7 @@ def measured_block_vs_output(flavor: str, seq_len: int, microbatch_size: int, re
 
     from torchtitan.components.loss import cross_entropy_sum
 
+    torch.set_num_threads(1)  # as each training rank runs; idle OpenMP threads would spin and bill CPU time
     args = dataclasses.replace(llama3_flavors[flavor], vocab_size=2048)
     model = Transformer(args)
     h = torch.randn(microbatch_size, seq_len, args.dim, requires_grad=True)
