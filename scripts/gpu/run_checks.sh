@@ -25,3 +25,5 @@ NGPU=1 ./run_train.sh --job.dump_folder "$OUT/doc_masking_cuda" --training.steps
     --metrics.log_freq 10 2>&1 | tail -4 | tee "$OUT/doc_masking_cuda.txt"
 
 "$PYTHON" scripts/gpu/bench_float8.py --layers 4 --seq-len 8192 --steps 30 2>&1 | tail -12 | tee "$OUT/float8.txt"
+
+"$PYTHON" scripts/gpu/check_memory_estimate.py --layers 4 --seq-len 8192 2>&1 | tail -8 | tee "$OUT/memory_estimate.txt"
