@@ -33,6 +33,7 @@ from torchtitan.distributed.context_parallel import shard_batch
 from torchtitan.distributed.pipeline import run_pipeline_eval, run_pipeline_step
 from torchtitan.errors import TrainingError
 from torchtitan.job_plan import plan_job
+from torchtitan.tools import fault_injection
 from torchtitan.tools.device_peak import peak_flops
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.memory import MemoryMonitor
@@ -47,6 +48,8 @@ class Trainer:
         self.cfg = cfg
         self.device, self.rank, self.world_size = dist_utils.init_distributed(cfg.comm)
         init_logger(self.rank)
+        fault_injection.install(self.rank)  # no-op unless TORCHTITAN_FAULTS is set (fault-tolerance tests)
+        self.preempted = False
         logger.info(f"Starting job: {cfg.job.description}")
         if self.rank == 0:
             os.makedirs(cfg.job.dump_folder, exist_ok=True)
@@ -205,6 +208,7 @@ class Trainer:
                 loss = self._scaled_loss(logits, labels)
                 loss.backward()
             loss_sum += loss_value(loss)
+        fault_injection.point(self.train_state.step + 1)
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()],
             self.cfg.training.max_norm,
@@ -326,6 +330,7 @@ class Trainer:
                 profiler.step(step)
                 if preemption is not None and not last and preemption.requested(self.device):
                     self.checkpointer.save(step, force=True)
+                    self.preempted = True
                     logger.warning(
                         f"Preempted (SIGTERM) at step {step}: its checkpoint is saved (completed before exit) in "
                         f"{self.checkpointer.root}; rerun the same command to resume"
