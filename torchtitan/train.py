@@ -8,7 +8,8 @@ import sys
 
 import torch.distributed as dist
 
-from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.config import ConfigError
+from torchtitan.protocols.train_spec import config_manager
 from torchtitan.errors import USER_ERRORS
 from torchtitan.tools.restart import record_failure
 from torchtitan.trainer import Trainer
@@ -18,7 +19,7 @@ PREEMPTED_EXIT = 143  # 128 + SIGTERM: the run stopped early (checkpoint saved);
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        cfg = ConfigManager().parse_args(sys.argv[1:] if argv is None else argv)
+        cfg = config_manager().parse_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         record_failure(str(e), restartable=False)

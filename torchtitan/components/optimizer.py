@@ -99,8 +99,9 @@ def _check_fused_supported(optimizer_class: type[torch.optim.Optimizer], params:
             ) from e
 
 
-def build_optimizers(model_parts: list[nn.Module], cfg: OptimizerConfig) -> OptimizersContainer:
-    """One `cfg.name` optimizer per model part, over all of its trainable parameters.
+def build_optimizers(model_parts: list[nn.Module], cfg: OptimizerConfig, parallel_dims=None) -> OptimizersContainer:
+    """One `cfg.name` optimizer per model part, over all of its trainable parameters. (The default
+    `build_optimizers_fn` of a TrainSpec; `parallel_dims` is there for optimizers that need the layout.)
 
     Weight decay applies to every parameter, norms and embeddings included, as in torchtitan's reference
     recipes: exempting them changes the loss curves those recipes were tuned for.

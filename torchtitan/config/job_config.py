@@ -26,7 +26,7 @@ class Job:
 @dataclass
 class Model:
     name: str = "llama3"
-    """Registered model name (see torchtitan/train_spec.py); each model folder registers its own."""
+    """Registered model name (see torchtitan/protocols/train_spec.py); each model folder registers its own."""
 
     flavor: str = "debugmodel"
     """Size preset of the model, e.g. debugmodel, 8B, 70B, 405B for llama3."""

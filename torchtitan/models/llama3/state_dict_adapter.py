@@ -6,14 +6,12 @@ same frequency for pair j in both, moving row 2j to j and row 2j+1 to j + head_d
 compute exactly ours (q.k is unchanged when q and k rows are permuted alike).
 """
 
-import json
-import os
 import re
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from torchtitan.models.llama3.args import RopeScalingArgs, TransformerModelArgs
+from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 # Inside `layers.{i}.` (ours) <-> inside `model.layers.{i}.` (HF).
 _LAYER_KEYS = {
@@ -47,9 +45,16 @@ def _half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.unflatten(0, (n_heads, 2, -1)).transpose(1, 2).reshape(w.shape)
 
 
-class Llama3StateDictAdapter:
-    def __init__(self, args: TransformerModelArgs):
-        self.args = args
+class Llama3StateDictAdapter(StateDictAdapter):
+    args: TransformerModelArgs
+
+    @staticmethod
+    def to_hf_config(args: TransformerModelArgs, dtype: torch.dtype = torch.bfloat16) -> dict:
+        return to_hf_config(args, dtype)
+
+    @staticmethod
+    def from_hf_config(config: dict) -> TransformerModelArgs:
+        return from_hf_config(config)
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Our FQNs -> HF names; works on any subset (e.g. one pipeline stage's state dict)."""
@@ -158,43 +163,3 @@ def from_hf_config(config: dict) -> TransformerModelArgs:
         max_seq_len=config["max_position_embeddings"],
     )
 
-
-def save_hf(
-    state_dict: dict[str, torch.Tensor],
-    args: TransformerModelArgs,
-    folder: str,
-    dtype: torch.dtype = torch.bfloat16,
-) -> None:
-    """Write `config.json` + a single `model.safetensors` loadable by `LlamaForCausalLM.from_pretrained`.
-    `state_dict` holds full (not sharded) tensors with our FQNs."""
-    os.makedirs(folder, exist_ok=True)
-    hf = Llama3StateDictAdapter(args).to_hf(state_dict)
-    tensors = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in hf.items()}
-    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(to_hf_config(args, dtype), f, indent=2)
-
-
-def load_hf(folder: str) -> tuple[dict[str, torch.Tensor], TransformerModelArgs]:
-    """Read an HF Llama folder (single or sharded safetensors) into our FQNs and args. Tensors keep the
-    stored dtype. Tied embeddings (Llama 3.2 small models) are untied by copying into `output.weight`."""
-    with open(os.path.join(folder, "config.json")) as f:
-        config = json.load(f)
-    args = from_hf_config(config)
-    index_path = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.exists(index_path):
-        with open(index_path) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    hf: dict[str, torch.Tensor] = {}
-    for name in files:
-        hf.update(load_file(os.path.join(folder, name)))
-    if config.get("tie_word_embeddings") and "lm_head.weight" not in hf:
-        hf["lm_head.weight"] = hf["model.embed_tokens.weight"].clone()
-    return Llama3StateDictAdapter(args).from_hf(hf), args
-
-
-# The train spec names the adapter class only; these make its Hugging Face file I/O reachable through it.
-Llama3StateDictAdapter.save_hf = staticmethod(save_hf)
-Llama3StateDictAdapter.load_hf = staticmethod(load_hf)
