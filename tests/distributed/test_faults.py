@@ -20,7 +20,8 @@ import sys
 import pytest
 import torch
 
-from tests.distributed.trainer_runs import read_metrics, train
+from tests.distributed.test_parity_2d import assert_parity
+from tests.distributed.trainer_runs import curves, read_metrics, train
 from tests.multiprocess import free_port
 from torchtitan.components import checkpoint_folders as folders
 
@@ -50,7 +51,8 @@ ARGS = [
 def torchrun(nproc: int, argv: list[str], folder: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--max-restarts=0",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.1",
-            "-m", "torchtitan.train", *ARGS, *argv, "--job.dump_folder", folder]
+            "-m", "torchtitan.train", *ARGS, "--parallelism.data_parallel_shard_degree", str(nproc), *argv,
+            "--job.dump_folder", folder]
 
 
 def supervised(cmd: list[str], faults: list[dict], max_restarts: int = 3, same_failure_limit: int = 3):
@@ -69,22 +71,27 @@ def reference(tmp_path_factory):
     return {m["step"]: (m["loss"], m["grad_norm"]) for m in steps}
 
 
-def check_continuation(folder: str, log: str, reference: dict, n_faults: int) -> None:
-    # The supervisor's "restart:" lines split the output into attempts; each restarted attempt resumes from a
-    # complete checkpoint (step-N, never step-N.partial) and continues at the step after it (or starts over
-    # when the fault came before the first checkpoint was complete).
+def split_attempts(log: str, n_faults: int) -> list[str]:
+    """The supervisor's "restart:" lines split its output into the attempts' outputs."""
     outputs = re.split(r"^restart: attempt \d+ failed.*$", log, flags=re.M)
     assert len(outputs) == n_faults + 1, f"expected {n_faults} restarts:\n{log[-3000:]}"
+    return outputs
+
+
+def check_continuation(folder: str, outputs: list[str]) -> list[list[dict]]:
+    """Each restarted attempt resumes from a complete checkpoint (step-N, never step-N.partial) and continues at
+    the step after it (or starts over when the fault came before the first checkpoint was complete), and no
+    attempt skips a step; returns each attempt's logged steps (rank 0's metrics.jsonl, split by attempt)."""
     logged = iter(m for m in read_metrics(folder) if "loss" in m)  # every attempt appends to metrics.jsonl
     runs = []
     for i, output in enumerate(outputs):
-        printed = [int(s) for s in re.findall(r"\[rank 0\].*step:\s+(\d+)\s", output)]
+        printed = [int(s) for s in re.findall(r"^(?:\[rank 0\] )?\[titan\].*step:\s+(\d+)\s", output, flags=re.M)]
         run = [next(logged) for _ in printed]
         assert [m["step"] for m in run] == printed
         runs.append(run)
         if i == 0:
             continue
-        loaded = re.findall(r"\[rank 0\].*Resumed from (\S+)", output)
+        loaded = re.findall(r"^(?:\[rank 0\] )?\[titan\].*Resumed from (\S+)", output, flags=re.M)
         assert len(loaded) <= 1 and all(re.search(r"/step-\d+$", p) for p in loaded), f"loaded {loaded}"
         resumed = int(loaded[0].rsplit("-", 1)[1]) if loaded else 0
         assert printed[:1] in ([], [resumed + 1]), f"resumed from step {resumed} but continued at step {printed[0]}"
@@ -92,11 +99,15 @@ def check_continuation(folder: str, log: str, reference: dict, n_faults: int) ->
     for run in filter(None, runs):
         steps = [m["step"] for m in run]
         assert steps == list(range(steps[0], steps[0] + len(steps))), f"an attempt skipped a step: {steps}"
-        for m in run:
-            assert (m["loss"], m["grad_norm"]) == reference[m["step"]], (
-                f"step {m['step']} differs from the uninterrupted run: {m['loss']!r} vs {reference[m['step']][0]!r}"
-            )
     assert runs[-1][-1]["step"] == STEPS
+    return runs
+
+
+def assert_bitwise(runs: list[list[dict]], reference: dict) -> None:
+    for m in (m for run in runs for m in run):
+        assert (m["loss"], m["grad_norm"]) == reference[m["step"]], (
+            f"step {m['step']} differs from the uninterrupted run: {m['loss']!r} vs {reference[m['step']][0]!r}"
+        )
 
 
 def fault_plan(kind: str, seed: int) -> list[dict]:
@@ -122,7 +133,7 @@ def test_fault_then_exact_continuation(kind, reference, tmp_path):
     result = supervised(torchrun(2, [], folder), faults)
     log = result.stdout
     assert result.returncode == 0, f"faults {faults} (seed {seed}):\n{log[-5000:]}"
-    check_continuation(folder, log, reference, len(faults))
+    assert_bitwise(check_continuation(folder, split_attempts(log, len(faults))), reference)
     root = os.path.join(folder, "checkpoint")
     # keep_latest_k 0 keeps every checkpoint: each interval save must be there and complete (preemption adds
     # saves at odd steps).
@@ -144,3 +155,28 @@ def test_same_failure_twice_stops_with_one_line(reference, tmp_path):
     root = os.path.join(folder, "checkpoint")
     assert folders.problem(os.path.join(root, "step-2")) is None
     assert "step-4" not in os.listdir(root)
+
+
+def test_node_lost_then_back_resumes_under_another_world(reference, tmp_path):
+    """A node is lost (a rank SIGKILLed at a random step) and the job restarts on 1 rank instead of 2, then it
+    loses that rank too and restarts on 2 again. The global batch stays 4 (1 rank accumulates 2 microbatches of
+    2), the sample sequence continues from the saved position, so every step matches the uninterrupted 2-rank
+    run within the parity tolerances of test_parity_2d.py (sums in another order: not bitwise). The check has
+    teeth: test_checkpoint.py's negative control shows a lost data position fails it."""
+    rng = random.Random(int(os.environ.get("TORCHTITAN_FAULT_SEED", "0")) * 100 + 10)
+    first, second = sorted(rng.sample(range(3, STEPS - 1), 2))
+    folder = str(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    outputs = []
+    for nproc, fault in [(2, {"kind": "kill_rank", "step": first, "rank": rng.randrange(2)}),
+                         (1, {"kind": "kill_rank", "step": second}), (2, None)]:
+        env["TORCHTITAN_FAULTS"] = json.dumps([fault] if fault else [])
+        result = subprocess.run(torchrun(nproc, [], folder), env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, timeout=300)
+        assert (result.returncode == 0) == (fault is None), result.stdout[-3000:]
+        assert f"global batch 4 x seq 32, {2 // nproc} microbatch(es) per rank" in result.stdout
+        outputs.append(result.stdout)
+    runs = check_continuation(folder, outputs)
+    steps = [m for run in runs for m in run]
+    ref = [{"loss": reference[m["step"]][0], "grad_norm": reference[m["step"]][1]} for m in steps]
+    assert_parity(curves(steps), curves(ref))
