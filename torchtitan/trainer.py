@@ -24,6 +24,7 @@ from torchtitan.components.metrics import MetricsLogger, throughput_metrics
 from torchtitan.components.train_state import TrainState
 from torchtitan.config import JobConfig
 from torchtitan.config.manager import save_config, to_toml
+from torchtitan.distributed import hang_watch
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.context_parallel import shard_batch
 from torchtitan.errors import TrainingError
@@ -42,6 +43,7 @@ from torchtitan.tools.profiling import Profiler
 class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
+        hang_watch.enable_flight_recorder(cfg.comm.trace_buf_size, cfg.job.dump_folder)  # NCCL only; before init
         self.device, self.rank, self.world_size = dist_utils.init_distributed(cfg.comm)
         init_logger(self.rank)
         fault_injection.install(self.rank)  # no-op unless TORCHTITAN_FAULTS is set (fault-tolerance tests)
@@ -279,6 +281,9 @@ class Trainer:
         with profiler, contextlib.ExitStack() as cleanup:
             if preemption is not None:
                 cleanup.callback(preemption.close)
+            if self.world_size > 1 and cfg.comm.hang_timeout_seconds > 0:
+                watch = hang_watch.HangWatch(cfg.comm.hang_timeout_seconds, cfg.job.dump_folder, self.rank)
+                cleanup.callback(watch.close)
             while self.train_state.step < cfg.training.steps:
                 step = self.train_state.step + 1
                 if step % cfg.training.gc_freq == 0:

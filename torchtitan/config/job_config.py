@@ -324,6 +324,16 @@ class Comm:
     train_timeout_seconds: int = 100
     """Timeout for collectives once training has started."""
 
+    hang_timeout_seconds: float = 30.0
+    """Hang diagnosis (keep it well below train_timeout_seconds): when a rank has waited this long in a
+    collective that other ranks have not reached, it logs the collective (per-group sequence number and name)
+    and the ranks that have not arrived, and every rank dumps its Python stack to {dump_folder}/hang/rank-N.txt.
+    0 turns it off."""
+
+    trace_buf_size: int = 0
+    """CUDA: record the last N collectives per rank in NCCL's flight recorder and dump them to
+    {dump_folder}/comm_traces/rank_N when a collective times out (e.g. 20000). 0 = off."""
+
 
 @dataclass
 class Debug:
