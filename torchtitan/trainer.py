@@ -30,7 +30,7 @@ from torchtitan.distributed.context_parallel import shard_batch
 from torchtitan.errors import TrainingError
 from torchtitan.job_plan import plan_job
 from torchtitan.protocols.model import ModelOutput, as_model_output, split_inputs
-from torchtitan.tools import fault_injection
+from torchtitan.tools import fault_injection, stragglers
 from torchtitan.tools.device_peak import peak_flops
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.memory import MemoryMonitor
@@ -48,6 +48,7 @@ class Trainer:
         init_logger(self.rank)
         fault_injection.install(self.rank)  # no-op unless TORCHTITAN_FAULTS is set (fault-tolerance tests)
         self.preempted = False
+        self.step_clock = stragglers.StepClock()  # this rank's data and time-to-ready per step
         logger.info(f"Starting job: {cfg.job.description}")
         if self.rank == 0:
             os.makedirs(cfg.job.dump_folder, exist_ok=True)
@@ -210,6 +211,7 @@ class Trainer:
             for k, v in out.metrics.items():
                 model_metrics[k] = model_metrics.get(k, 0) + v.detach() / len(microbatches)
         fault_injection.point(self.train_state.step + 1)
+        self.step_clock.ready()
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()],
             self.cfg.training.max_norm,
@@ -289,11 +291,13 @@ class Trainer:
                 if step % cfg.training.gc_freq == 0:
                     gc.collect(1)
                 t0 = time.perf_counter()
+                self.step_clock.start()
                 try:
                     microbatches = self._next_microbatches(data_iter)
                 except StopIteration as e:
                     raise TrainingError(f"the data ran out at step {step}") from e
                 data_time += time.perf_counter() - t0
+                self.step_clock.data_loaded()
                 loss, grad_norm, model_metrics = self.train_step(microbatches)
                 self.train_state.step = step
                 self.train_state.tokens_seen += tokens_per_step
@@ -303,6 +307,7 @@ class Trainer:
                     # window starts after it.
                     first_step_s = time.perf_counter() - window_start
                     window_start, window_tokens, data_time = time.perf_counter(), 0, 0.0
+                    self.step_clock.reset()
                 if not torch.isfinite(grad_norm):
                     raise TrainingError(
                         f"loss or gradients became non-finite at step {step} (local loss {loss.item():.4g}, "
@@ -322,6 +327,7 @@ class Trainer:
                             peak_flops=self.peak_flops,
                         )
                         speed["data_loading_pct"] = 100.0 * data_time / max(elapsed, 1e-9)
+                        speed.update(stragglers.report(self.step_clock, cfg.metrics.straggler_threshold, self.device))
                     metrics = {
                         "loss": global_loss.item(),
                         "grad_norm": grad_norm.item(),

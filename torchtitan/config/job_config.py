@@ -242,6 +242,10 @@ class Metrics:
     log_freq: int = 10
     """Log metrics every N steps."""
 
+    straggler_threshold: float = 0.2
+    """Warn when the slowest rank needs this fraction more time per step than the median rank to get its
+    gradients ready (measured per rank, gathered every log step; straggler/* in metrics.jsonl)."""
+
     enable_tensorboard: bool = False
     """Write TensorBoard scalars under `{dump_folder}/{save_tb_folder}`."""
 
