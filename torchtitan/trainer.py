@@ -24,7 +24,7 @@ from torchtitan.components.metrics import MetricsLogger, throughput_metrics
 from torchtitan.components.train_state import TrainState
 from torchtitan.config import JobConfig
 from torchtitan.config.manager import save_config, to_toml
-from torchtitan.distributed import hang_watch
+from torchtitan.distributed import fault_tolerance, hang_watch
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.context_parallel import shard_batch
 from torchtitan.errors import TrainingError
@@ -65,6 +65,9 @@ class Trainer:
         pd = self.parallel_dims
         self.mesh = pd.build_mesh(self.device.type) if self.world_size > 1 else None
         self.dp_rank, self.dp_degree = pd.coordinate("dp") if self.mesh else (0, 1)
+        self.dp_rank, self.dp_degree, self.global_batch_size = fault_tolerance.data_coordinate(
+            cfg.fault_tolerance, self.dp_rank, self.dp_degree, self.global_batch_size
+        )  # fault-tolerant replica groups split the data among them
         seed = dist_utils.set_determinism(cfg.debug, self.device)
 
         # ---- data --------------------------------------------------------------------------------------
@@ -110,6 +113,10 @@ class Trainer:
             dataloader=self.dataloader,
             train_state=self.train_state,
             hf_adapter=self.spec.state_dict_adapter,
+        )
+        self.replicas = (
+            fault_tolerance.Replicas(cfg.fault_tolerance, self.checkpointer.states, self.rank, self.world_size, self.device)
+            if cfg.fault_tolerance.enable else None
         )
 
         # ---- observability --------------------------------------------------------------------------------
@@ -212,16 +219,19 @@ class Trainer:
                 model_metrics[k] = model_metrics.get(k, 0) + v.detach() / len(microbatches)
         fault_injection.point(self.train_state.step + 1)
         self.step_clock.ready()
+        if self.replicas is not None:
+            self.replicas.average_gradients(self.model_parts)
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()],
             self.cfg.training.max_norm,
             pp_group=self.pipeline.group if self.pipeline is not None else None,
         )
         self._step_lr = self.optimizers.param_groups[0]["lr"]  # the LR this step trained with
-        self.optimizers.step()
-        for fn in self.post_optimizer_step_fns:
-            fn(self.model_parts, self.parallel_dims)
-        self.lr_schedulers.step()
+        if self.replicas is None or self.replicas.should_commit(self.train_state.step + 1):
+            self.optimizers.step()
+            for fn in self.post_optimizer_step_fns:
+                fn(self.model_parts, self.parallel_dims)
+            self.lr_schedulers.step()
         self.optimizers.zero_grad()
         return loss_sum, grad_norm, model_metrics
 
@@ -287,6 +297,9 @@ class Trainer:
                 watch = hang_watch.HangWatch(cfg.comm.hang_timeout_seconds, cfg.job.dump_folder, self.rank)
                 cleanup.callback(watch.close)
             while self.train_state.step < cfg.training.steps:
+                if self.replicas is not None and self.replicas.start_step():
+                    data_iter = iter(self.dataloader)  # healed: continue from the peer's data position
+                    first_step = self.train_state.step + 1
                 step = self.train_state.step + 1
                 if step % cfg.training.gc_freq == 0:
                     gc.collect(1)
@@ -358,6 +371,8 @@ class Trainer:
         gc.enable()
 
     def close(self) -> None:
+        if self.replicas is not None:
+            self.replicas.close()
         self.checkpointer.close()
         self.metrics.close()
         if dist.is_initialized():

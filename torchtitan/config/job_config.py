@@ -340,6 +340,30 @@ class Comm:
 
 
 @dataclass
+class FaultTolerance:
+    enable: bool = False
+    """Fault-tolerant data-parallel replica groups (torchft; see docs/reliability.md): each group is its own
+    torchrun job, gradients are averaged over the live groups every step, a group that dies is dropped without
+    stopping the others, and a (re)joining group copies the training state from a live peer. Needs
+    `pip install torchft==0.2.0` and a lighthouse (`torchft_lighthouse`) whose address is in TORCHFT_LIGHTHOUSE."""
+
+    replica_id: int = 0
+    """This group's index, 0..group_size-1 (it picks the group's share of the data)."""
+
+    group_size: int = 1
+    """How many replica groups the job has (the data is split among all of them)."""
+
+    min_replica_size: int = 1
+    """Steps are committed only while at least this many groups are in the quorum."""
+
+    timeout_seconds: float = 10.0
+    """Timeout of the collectives between groups: a dead group is noticed after at most this long."""
+
+    quorum_timeout_seconds: float = 60.0
+    """How long a group waits to form a quorum at the lighthouse."""
+
+
+@dataclass
 class Debug:
     seed: int | None = None
     """Random seed for weights, dropout and data order. None = 0 for weights, with non-deterministic kernels."""
@@ -364,4 +388,5 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
     comm: Comm = field(default_factory=Comm)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     debug: Debug = field(default_factory=Debug)
