@@ -19,3 +19,5 @@ NGPU=1 ./run_train.sh --job.dump_folder "$OUT/debug_cuda" --training.steps 30 --
     --metrics.log_freq 10 2>&1 | tail -8 | tee "$OUT/debug_cuda.txt"
 
 "$PYTHON" scripts/gpu/bench_float8.py --layers 4 --seq-len 8192 --steps 30 2>&1 | tail -12 | tee "$OUT/float8.txt"
+
+"$PYTHON" scripts/gpu/check_memory_estimate.py --layers 4 --seq-len 8192 2>&1 | tail -8 | tee "$OUT/memory_estimate.txt"
