@@ -2,7 +2,8 @@
 
 A model:
 - is built from its args on the meta device (`model_cls(args)`), then materialised with `to_empty` and
-  `init_weights(buffer_device=...)`, which also rebuilds derived buffers (e.g. RoPE tables);
+  `init_weights(buffer_device=...)`, which also rebuilds derived buffers (e.g. RoPE tables) and re-ties
+  shared parameters (tied embeddings: `to_empty` unties them);
 - keeps its repeated blocks in `layers`, an `nn.ModuleDict` keyed by the block's original index, so a
   pipeline stage that deletes blocks keeps the parameter names of the whole model;
 - names the modules before and after the blocks in `pipeline_head` / `pipeline_tail` (e.g. the embedding;
