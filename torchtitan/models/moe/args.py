@@ -39,3 +39,16 @@ class MoEArgs:
             raise ValueError(f"topk_groups {self.topk_groups} must be in 1..n_groups {self.n_groups}")
         if not 1 <= self.top_k <= self.num_experts // self.n_groups * self.topk_groups:
             raise ValueError(f"top_k {self.top_k} must be in 1..experts in the chosen groups")
+
+
+@dataclass
+class MoEConfig:
+    """The `moe` config section of MoE models (--moe.*): how routing is balanced during training."""
+
+    load_balance_coeff: float = 1e-3
+    """Auxiliary-loss-free balancing: each optimizer step moves every expert's routing bias by this much
+    towards the mean load (up when under-loaded, down when over-loaded); 0 turns it off."""
+
+    aux_loss_alpha: float = 0.0
+    """Weight of DeepSeek-V3's sequence-wise balance loss, added to the training loss (published: 1e-4);
+    0 turns it off. Not available under pipeline parallel (stages pass activations only)."""

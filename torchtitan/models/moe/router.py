@@ -1,7 +1,6 @@
 """Token-choice top-k routing: every token picks its top_k experts (no capacity, no token dropping)."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.moe.args import MoEArgs
@@ -23,10 +22,10 @@ class TokenChoiceRouter(nn.Module):
         """x [T, dim] -> (routed weights [T, top_k] fp32, expert ids [T, top_k], scores [T, E] fp32).
 
         The bias (aux-loss-free balancing) only steers which experts are chosen; the weights are the
-        unbiased scores of the chosen experts. Scores are computed in fp32 whatever the compute dtype:
-        near-ties between experts decide routing."""
+        unbiased scores of the chosen experts. The scores are fp32 from the gate's output on. The gate is
+        called as a module so that tensor parallel can wrap it (its tokens are a sequence shard there)."""
         a = self.args
-        scores = F.linear(x.float(), self.gate.weight.float())
+        scores = self.gate(x).float()
         scores = scores.sigmoid() if a.score_func == "sigmoid" else scores.softmax(dim=-1)
         choice = scores if expert_bias is None else scores + expert_bias
         if a.n_groups > 1:
