@@ -31,24 +31,25 @@ LAYOUTS = {
 
 
 def _expert_shards(trainer) -> dict:
-    """Routed-expert elements this rank holds (local shards), of all routed experts, and the same for
-    the optimizer state of those parameters."""
+    """Routed-expert elements this rank holds (its local shards) and of the whole model, for the parameters
+    and for their optimizer state (AdamW's two moments)."""
     from torch.distributed.tensor import DTensor
 
     from torchtitan.models.moe.experts import GroupedExperts
 
-    local = full = state = 0
+    def local(t):
+        return (t.to_local() if isinstance(t, DTensor) else t).numel()
+
+    state = {p: s for opt in trainer.optimizers.optimizers for p, s in opt.state.items()}
+    out = {"params": 0, "full": 0, "state": 0}
     for part in trainer.model_parts:
         for m in part.modules():
             if isinstance(m, GroupedExperts):
                 for p in m.parameters():
-                    local += (p.to_local() if isinstance(p, DTensor) else p).numel()
-                    full += p.numel()
-                    for v in trainer.optimizers.optimizers[0].state.get(p, {}).values() if hasattr(
-                        trainer.optimizers, "optimizers") else []:
-                        if getattr(v, "dim", lambda: 0)() > 0:
-                            state += (v.to_local() if isinstance(v, DTensor) else v).numel()
-    return {"local": local, "full": full, "state": state}
+                    out["params"] += local(p)
+                    out["full"] += p.numel()
+                    out["state"] += sum(local(v) for v in state[p].values() if v.dim() > 0)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -66,5 +67,33 @@ def test_reference_learns(reference):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_process(layout, reference, tmp_path):
     world, argv = LAYOUTS[layout]
-    steps, _ = train(world, MOE + argv, str(tmp_path))
+    steps, extras = train(world, MOE + argv, str(tmp_path), probe=_expert_shards)
     assert_parity(curves(steps), reference)
+    if layout in ("ep2", "ep2_fsdp2"):
+        # Memory: EP 2 holds half of the routed experts per rank; FSDP 2 on top halves that again.
+        share = 2 if layout == "ep2" else 4
+        for e in extras:
+            assert e["full"] > 0 and e["params"] * share == e["full"], e
+            assert e["state"] == 2 * e["params"], e
+
+
+def _experts_counted_twice(rank, world_size):
+    """Breaks EP on purpose: every routed expert's gradient doubled, as if each ep rank's (already complete)
+    expert gradient were summed once more over the ep ranks like a replica's. AdamW's update is nearly
+    scale-free, so mainly the global grad norm shows it, the quantity clipping depends on."""
+    import torchtitan.models.moe.experts as ex
+
+    real = ex._local
+
+    def doubled(w):
+        w = real(w)
+        return w + (w - w.detach())  # the same value, twice the gradient
+
+    ex._local = doubled
+
+
+def test_parity_check_catches_double_counted_experts(reference, tmp_path):
+    world, argv = LAYOUTS["ep2"]
+    steps, _ = train(world, MOE + argv, str(tmp_path), setup=_experts_counted_twice)
+    with pytest.raises(AssertionError):
+        assert_parity(curves(steps), reference)

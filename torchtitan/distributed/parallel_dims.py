@@ -131,6 +131,11 @@ class ParallelDims:
         dimension (e.g. "tp") to {field: value} (the model args' `divisible_by()`). A model that declares
         "ep" has routed experts: under tensor parallel the tp ranks route different tokens (sequence
         parallel), so the experts must be split over them (ep a multiple of tp; no TP inside experts)."""
+        if self.ep > 1 and "ep" not in divisible_by:
+            raise LayoutError(
+                f"expert_parallel_degree {self.ep} needs a model with routed experts (e.g. deepseek_v3); this "
+                f"model has none: set --parallelism.expert_parallel_degree 1"
+            )
         if "ep" in divisible_by and self.tp > 1 and self.ep == 1:
             raise LayoutError(
                 f"an MoE model under tensor_parallel_degree {self.tp} needs expert_parallel_degree a multiple of "

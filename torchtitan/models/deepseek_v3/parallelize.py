@@ -108,7 +108,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> N
             )
             plan["moe.router.gate"] = SequenceParallel(sequence_dim=0, use_local_output=True)
             if block.moe.shared_experts is not None:
-                plan["moe.shared_experts"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+                for w in ("w1", "w2", "w3"):
+                    plan[f"moe.shared_experts.{w}"] = SequenceParallel(sequence_dim=1, use_local_output=True)
         else:
             plan.update({
                 "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),

@@ -18,6 +18,7 @@ from torch import nn
 from torchtitan.models.moe.args import MoEArgs
 from torchtitan.models.moe.experts import GroupedExperts
 from torchtitan.models.moe.router import TokenChoiceRouter
+from torchtitan.protocols.model import is_shape_only_forward
 
 # (tokens sorted by expert [N, dim], this rank's token count per expert [E], experts) -> outputs [N, dim]
 TokenDispatch = Callable[[torch.Tensor, torch.Tensor, GroupedExperts], torch.Tensor]
@@ -83,8 +84,9 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, dim)
         weights, ids, scores = self.router(tokens, self.expert_bias)
         load = torch.bincount(ids.flatten(), minlength=self.args.num_experts)
-        # An activation-checkpoint recompute runs forward again inside the backward pass: count once.
-        if torch._C._current_graph_task_id() == -1:
+        # Count real forwards once: not an activation-checkpoint recompute (forward again inside the
+        # backward pass), nor a pipeline stage's shape inference.
+        if torch._C._current_graph_task_id() == -1 and not is_shape_only_forward():
             self.tokens_per_expert.add_(load)
         order = ids.flatten().argsort(stable=True)
         token_of = order // self.args.top_k
