@@ -35,7 +35,7 @@ def _expert_shards(trainer) -> dict:
     and for their optimizer state (AdamW's two moments)."""
     from torch.distributed.tensor import DTensor
 
-    from torchtitan.models.moe.experts import GroupedExperts
+    from torchtitan.components.moe.experts import GroupedExperts
 
     def local(t):
         return (t.to_local() if isinstance(t, DTensor) else t).numel()
@@ -81,7 +81,7 @@ def _experts_counted_twice(rank, world_size):
     """Breaks EP on purpose: every routed expert's gradient doubled, as if each ep rank's (already complete)
     expert gradient were summed once more over the ep ranks like a replica's. AdamW's update is nearly
     scale-free, so mainly the global grad norm shows it, the quantity clipping depends on."""
-    import torchtitan.models.moe.experts as ex
+    import torchtitan.components.moe.experts as ex
 
     real = ex._local
 

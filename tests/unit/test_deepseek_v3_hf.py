@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs  # noqa: E402
 from torchtitan.models.deepseek_v3.model import DeepSeekV3Model  # noqa: E402
 from torchtitan.models.deepseek_v3.state_dict_adapter import FP8_MESSAGE, DeepSeekV3StateDictAdapter  # noqa: E402
-from torchtitan.models.moe import MoEArgs  # noqa: E402
+from torchtitan.components.moe import MoEArgs  # noqa: E402
 
 ARGS = DeepSeekV3ModelArgs(
     vocab_size=96, dim=32, inter_dim=48, n_layers=3, n_dense_layers=1, n_heads=4,

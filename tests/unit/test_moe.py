@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from torchtitan.models.moe import MoE, MoEArgs
-from torchtitan.models.moe.experts import expert_swiglu
+from torchtitan.components.moe import MoE, MoEArgs
+from torchtitan.components.moe.experts import expert_swiglu
 
 DIM = 16
 
@@ -98,7 +98,7 @@ def test_grouped_gemm_forward_equals_loop_on_cpu():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the grouped GEMM kernel needs CUDA")
 def test_grouped_gemm_equals_loop_on_cuda():
-    from torchtitan.models.moe.experts import grouped_mm_supported
+    from torchtitan.components.moe.experts import grouped_mm_supported
 
     if not grouped_mm_supported(torch.device("cuda"), torch.bfloat16):
         pytest.skip("this GPU has no bf16 grouped GEMM (needs compute capability 9.0)")

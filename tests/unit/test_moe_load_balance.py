@@ -13,7 +13,7 @@ Stated bound: with load_balance_coeff 0.01 the max/mean load over steps 81-100 i
 import torch
 
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models.moe import MoE, MoEArgs, update_expert_bias
+from torchtitan.components.moe import MoE, MoEArgs, update_expert_bias
 
 STEPS, WINDOW = 100, 20
 

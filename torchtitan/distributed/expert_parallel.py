@@ -16,8 +16,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from torchtitan.models.moe.experts import GroupedExperts
-from torchtitan.models.moe.moe import MoE
+from torchtitan.components.moe.experts import GroupedExperts
+from torchtitan.components.moe.moe import MoE
 
 
 class AllToAllDispatch:

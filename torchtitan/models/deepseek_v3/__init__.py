@@ -12,8 +12,8 @@ from torchtitan.models.deepseek_v3.flavors import deepseek_v3_flavors
 from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
 from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseek_v3
 from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
-from torchtitan.models.moe import update_expert_bias
-from torchtitan.models.moe.args import MoEConfig
+from torchtitan.components.moe import update_expert_bias
+from torchtitan.components.moe.args import MoEConfig
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
 __all__ = ["DeepSeekV3Model", "DeepSeekV3ModelArgs", "deepseek_v3_flavors"]

@@ -4,7 +4,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from torchtitan.models.moe import MoEArgs
+from torchtitan.components.moe import MoEArgs
 from torchtitan.protocols.model import BaseModelArgs
 
 

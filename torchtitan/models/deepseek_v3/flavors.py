@@ -5,7 +5,7 @@ Published shapes: DeepSeek-V3 config.json (deepseek-ai/DeepSeek-V3) and DeepSeek
 """
 
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
-from torchtitan.models.moe import MoEArgs
+from torchtitan.components.moe import MoEArgs
 
 deepseek_v3_flavors: dict[str, DeepSeekV3ModelArgs] = {
     "debugmodel": DeepSeekV3ModelArgs(

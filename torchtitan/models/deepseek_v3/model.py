@@ -21,8 +21,8 @@ from torch import nn
 from torchtitan.models.attention import ScaledDotProductAttention
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs, yarn_mscale
 from torchtitan.models.llama3.model import apply_rope
-from torchtitan.models.moe import MoE
-from torchtitan.models.moe.moe import SwiGLU
+from torchtitan.components.moe import MoE
+from torchtitan.components.moe.moe import SwiGLU
 from torchtitan.protocols.model import ModelOutput
 
 

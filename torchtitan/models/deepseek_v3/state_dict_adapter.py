@@ -13,8 +13,8 @@ import re
 import torch
 
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
-from torchtitan.models.moe import MoEArgs
-from torchtitan.models.moe.hf_experts import is_expert_key, stack_experts, unstack_experts
+from torchtitan.components.moe import MoEArgs
+from torchtitan.components.moe.hf_experts import is_expert_key, stack_experts, unstack_experts
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 _LAYER_KEYS = {

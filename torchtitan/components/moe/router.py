@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from torchtitan.models.moe.args import MoEArgs
+from torchtitan.components.moe.args import MoEArgs
 
 
 class TokenChoiceRouter(nn.Module):

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.moe.args import MoEArgs
-from torchtitan.models.moe.experts import GroupedExperts
-from torchtitan.models.moe.router import TokenChoiceRouter
+from torchtitan.components.moe.args import MoEArgs
+from torchtitan.components.moe.experts import GroupedExperts
+from torchtitan.components.moe.router import TokenChoiceRouter
 from torchtitan.protocols.model import is_shape_only_forward
 
 # (tokens sorted by expert [N, dim], this rank's token count per expert [E], experts) -> outputs [N, dim]

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from torchtitan.models.moe.moe import MoE
+from torchtitan.components.moe.moe import MoE
 
 
 @torch.no_grad()

@@ -9,8 +9,8 @@
 Expert parallelism (the all-to-all dispatch and the `ep` mesh) is in torchtitan/distributed/expert_parallel.py.
 """
 
-from torchtitan.models.moe.args import MoEArgs
-from torchtitan.models.moe.load_balance import update_expert_bias
-from torchtitan.models.moe.moe import MoE, MoEOutput
+from torchtitan.components.moe.args import MoEArgs
+from torchtitan.components.moe.load_balance import update_expert_bias
+from torchtitan.components.moe.moe import MoE, MoEOutput
 
 __all__ = ["MoE", "MoEArgs", "MoEOutput", "update_expert_bias"]
