@@ -1,3 +1,4 @@
 """Model folders. Importing one registers its train spec; add yours here."""
 
 from torchtitan.models import llama3  # noqa: F401
+from torchtitan.models import qwen3  # noqa: F401
