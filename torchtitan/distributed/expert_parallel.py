@@ -9,15 +9,24 @@ parallel_dims), so an expert's gradient on its rank already sums every token rou
 gradient reduction over ep, only over the ranks FSDP shards them across (dp_shard_mod_ep).
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
 
 from torchtitan.components.moe.experts import GroupedExperts
 from torchtitan.components.moe.moe import MoE
+from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.compile import apply_compile, check_compile_config, compiles
+from torchtitan.distributed.data_parallel import apply_fsdp
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.tools.precision import DTYPES
 
 
 class AllToAllDispatch:
@@ -56,3 +65,59 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
         moe.token_dispatch = AllToAllDispatch(ep_mesh)
         experts.append(moe.experts)
     return experts
+
+
+def moe_tp_plan(moe: MoE, name: str = "moe") -> dict:
+    """Tensor-parallel plan entries for an MoE layer at `name` inside a block: under sequence parallel each
+    tp rank routes its own sequence shard (the experts are split over ep, which includes tp). The router
+    gate and the shared experts are replicated DTensors reading the shard, so their gradients are summed
+    over the tp ranks."""
+    plan = {
+        name: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True),
+        f"{name}.router.gate": SequenceParallel(sequence_dim=0, use_local_output=True),
+    }
+    if moe.shared_experts is not None:
+        for w in ("w1", "w2", "w3"):
+            plan[f"{name}.shared_experts.{w}"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+    return plan
+
+
+def parallelize_moe_model(
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    job_config: JobConfig,
+    *,
+    apply_cp: Callable,
+    apply_tp: Callable,
+) -> nn.Module:
+    """The composition of an MoE model (or one pipeline stage): CP, TP (the model's own plan), EP, AC,
+    compile, then FSDP with the routed experts as their own groups over the ranks that share them.
+    apply_cp(model, cp_mesh, seq_len=, rotate_method=) and apply_tp(model, tp_mesh, loss_parallel=) are
+    the model's."""
+    pd = parallel_dims
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    check_compile_config(job_config, device_type)
+    compile_model = compiles(job_config, "model")
+    if pd.cp_enabled:
+        apply_cp(model, pd.submesh("cp"), seq_len=job_config.training.seq_len,
+                 rotate_method=job_config.parallelism.context_parallel_rotate_method)
+    if pd.tp_enabled:
+        apply_tp(model, pd.submesh("tp"), loss_parallel=not job_config.parallelism.disable_loss_parallel)
+    experts = apply_ep(model, pd.submesh("ep")) if pd.ep_enabled else []
+    apply_ac(model, job_config.activation_checkpoint, model_compiled=compile_model)
+    if compile_model:
+        apply_compile(model)
+    if pd.fsdp_enabled:
+        t = job_config.training
+        apply_fsdp(
+            model,
+            pd.fsdp_mesh(),
+            param_dtype=DTYPES[t.mixed_precision_param],
+            reduce_dtype=DTYPES[t.mixed_precision_reduce],
+            reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
+            cpu_offload=t.enable_cpu_offload,
+            pp_enabled=pd.pp_enabled,
+            expert_modules=experts,
+            expert_mesh=pd.expert_fsdp_mesh() if experts else None,
+        )
+    return model

@@ -1,7 +1,8 @@
 """The shape and routing of one MoE layer."""
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 
 @dataclass
@@ -52,3 +53,15 @@ class MoEConfig:
     aux_loss_alpha: float = 0.0
     """Weight of DeepSeek-V3's sequence-wise balance loss, added to the training loss (published: 1e-4);
     0 turns it off. Not available under pipeline parallel (stages pass activations only)."""
+
+
+def moe_args_for_job(moe: MoEArgs, job_config: Any) -> MoEArgs:
+    """A flavor's MoE args with the job's `moe` section applied; the sequence-wise loss is refused under
+    pipeline parallel (stages pass activations only, so a middle stage's loss has no way to the loss)."""
+    m = job_config.moe
+    if m.aux_loss_alpha > 0 and job_config.parallelism.pipeline_parallel_degree > 1:
+        raise ValueError(
+            "--moe.aux_loss_alpha needs the whole model in one stage (pipeline stages pass activations only); "
+            "under pipeline parallel balance with --moe.load_balance_coeff and set --moe.aux_loss_alpha 0"
+        )
+    return dataclasses.replace(moe, load_balance_coeff=m.load_balance_coeff, aux_loss_alpha=m.aux_loss_alpha)

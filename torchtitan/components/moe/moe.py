@@ -114,3 +114,14 @@ class MoE(nn.Module):
         f = picked * n_exp / (a.top_k * slen)
         p = (scores / scores.sum(-1, keepdim=True)).mean(1)
         return a.aux_loss_alpha * (f * p).sum() * slen
+
+
+def add_layer_stats(
+    aux_total: torch.Tensor | None, metrics: dict[str, torch.Tensor], layer: str, out: MoEOutput
+) -> torch.Tensor | None:
+    """Adds one MoE layer's balance loss to the model's total and its load imbalance (max / mean token
+    copies per expert, 1 = balanced) to the model's metrics; returns the new total."""
+    metrics[f"moe_load_max_over_mean/layer{layer}"] = out.load.max() / out.load.float().mean()
+    if out.aux_loss is None:
+        return aux_total
+    return out.aux_loss if aux_total is None else aux_total + out.aux_loss

@@ -4,7 +4,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from torchtitan.components.moe import MoEArgs
+from torchtitan.components.moe.args import MoEArgs, moe_args_for_job
 from torchtitan.protocols.model import BaseModelArgs
 
 
@@ -60,16 +60,7 @@ class DeepSeekV3ModelArgs(BaseModelArgs):
 
     def update_from_job(self, job_config, tokenizer) -> "DeepSeekV3ModelArgs":
         args = super().update_from_job(job_config, tokenizer)
-        m = job_config.moe
-        if m.aux_loss_alpha > 0 and job_config.parallelism.pipeline_parallel_degree > 1:
-            raise ValueError(
-                "--moe.aux_loss_alpha needs the whole model in one stage (pipeline stages pass activations only); "
-                "under pipeline parallel balance with --moe.load_balance_coeff and set --moe.aux_loss_alpha 0"
-            )
-        return dataclasses.replace(
-            args,
-            moe=dataclasses.replace(args.moe, load_balance_coeff=m.load_balance_coeff, aux_loss_alpha=m.aux_loss_alpha),
-        )
+        return dataclasses.replace(args, moe=moe_args_for_job(args.moe, job_config))
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:

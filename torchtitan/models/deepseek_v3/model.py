@@ -15,14 +15,13 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.attention import ScaledDotProductAttention
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs, yarn_mscale
 from torchtitan.models.llama3.model import apply_rope
-from torchtitan.components.moe import MoE
-from torchtitan.components.moe.moe import SwiGLU
+from torchtitan.components.moe import MoE, MoEOutput
+from torchtitan.components.moe.moe import SwiGLU, add_layer_stats
 from torchtitan.protocols.model import ModelOutput
 
 
@@ -132,13 +131,13 @@ class Block(nn.Module):
 
     def forward(
         self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(output, balance loss or None, expert load or None)."""
+    ) -> tuple[torch.Tensor, MoEOutput | None]:
+        """(output, the MoE layer's output for its loss and load; None in a dense layer)."""
         h = x + self.attention(self.attention_norm(x), rope_cache, positions)
         if not self.moe_enabled:
-            return h + self.feed_forward(self.ffn_norm(h)), None, None
+            return h + self.feed_forward(self.ffn_norm(h)), None
         moe = self.moe(self.ffn_norm(h))
-        return h + moe.out, moe.aux_loss, moe.load
+        return h + moe.out, moe
 
 
 class DeepSeekV3Model(nn.Module):
@@ -178,11 +177,9 @@ class DeepSeekV3Model(nn.Module):
             positions = self.fixed_positions
         aux_loss, metrics = None, {}
         for key, layer in self.layers.items():
-            h, aux, load = layer(h, self.rope_cache, positions)
-            if aux is not None:
-                aux_loss = aux if aux_loss is None else aux_loss + aux
-            if load is not None:
-                metrics[f"moe_load_max_over_mean/layer{key}"] = load.max() / load.float().mean()
+            h, moe = layer(h, self.rope_cache, positions)
+            if moe is not None:
+                aux_loss = add_layer_stats(aux_loss, metrics, key, moe)
         if self.norm is not None:
             h = self.norm(h)
         out = self.output(h) if self.output is not None else h

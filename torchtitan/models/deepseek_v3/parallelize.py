@@ -1,5 +1,5 @@
-"""How DeepSeek-V3 is parallelised: CP, TP (MLA heads, dense FFNs; MoE on sequence shards), EP, AC,
-compile, then FSDP with the routed experts as their own groups. Only the TP plan is model-specific."""
+"""How DeepSeek-V3 is parallelised: the MoE composition of distributed/expert_parallel.py (CP, TP, EP, AC,
+compile, FSDP) with this model's TP plan (MLA heads, dense FFNs; MoE layers on sequence shards)."""
 
 import torch
 import torch.distributed as dist
@@ -15,43 +15,13 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.distributed.compile import apply_compile, check_compile_config, compiles
-from torchtitan.distributed.data_parallel import apply_fsdp
-from torchtitan.distributed.expert_parallel import apply_ep
+from torchtitan.distributed.expert_parallel import moe_tp_plan, parallelize_moe_model
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.llama3.parallelize import apply_cp
-from torchtitan.tools.precision import DTYPES
 
 
 def parallelize_deepseek_v3(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
-    pd = parallel_dims
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    check_compile_config(job_config, device_type)
-    compile_model = compiles(job_config, "model")
-    if pd.cp_enabled:
-        apply_cp(model, pd.submesh("cp"), seq_len=job_config.training.seq_len,
-                 rotate_method=job_config.parallelism.context_parallel_rotate_method)
-    if pd.tp_enabled:
-        apply_tp(model, pd.submesh("tp"), loss_parallel=not job_config.parallelism.disable_loss_parallel)
-    experts = apply_ep(model, pd.submesh("ep")) if pd.ep_enabled else []
-    apply_ac(model, job_config.activation_checkpoint, model_compiled=compile_model)
-    if compile_model:
-        apply_compile(model)
-    if pd.fsdp_enabled:
-        t = job_config.training
-        apply_fsdp(
-            model,
-            pd.fsdp_mesh(),
-            param_dtype=DTYPES[t.mixed_precision_param],
-            reduce_dtype=DTYPES[t.mixed_precision_reduce],
-            reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
-            cpu_offload=t.enable_cpu_offload,
-            pp_enabled=pd.pp_enabled,
-            expert_modules=experts,
-            expert_mesh=pd.expert_fsdp_mesh() if experts else None,
-        )
-    return model
+    return parallelize_moe_model(model, parallel_dims, job_config, apply_cp=apply_cp, apply_tp=apply_tp)
 
 
 class _AllReduceGrad(torch.autograd.Function):
@@ -103,13 +73,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> N
             "ffn_norm": SequenceParallel(),
         }
         if block.moe_enabled:
-            plan["moe"] = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
-            )
-            plan["moe.router.gate"] = SequenceParallel(sequence_dim=0, use_local_output=True)
-            if block.moe.shared_experts is not None:
-                for w in ("w1", "w2", "w3"):
-                    plan[f"moe.shared_experts.{w}"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+            plan.update(moe_tp_plan(block.moe))
         else:
             plan.update({
                 "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
