@@ -3,6 +3,7 @@
 #   1. the test suite's quick layer on CUDA (unit tests; CUDA-only ones run instead of skipping)
 #   2. a short debug-model run on cuda+nccl with bf16, compile and an async pinned-memory checkpoint
 #   3. bf16 vs Float8 throughput and MFU on an 8B-shaped model cut to fit (scripts/gpu/bench_float8.py)
+#   4. MoE: grouped GEMM vs the per-expert loop (scripts/gpu/bench_moe.py); EP over NCCL with >= 2 GPUs
 # Usage (repo root):  OUT=/tmp/out bash scripts/gpu/run_checks.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,3 +20,11 @@ NGPU=1 ./run_train.sh --job.dump_folder "$OUT/debug_cuda" --training.steps 30 --
     --metrics.log_freq 10 2>&1 | tail -8 | tee "$OUT/debug_cuda.txt"
 
 "$PYTHON" scripts/gpu/bench_float8.py --layers 4 --seq-len 8192 --steps 30 2>&1 | tail -12 | tee "$OUT/float8.txt"
+
+# MoE: grouped GEMM vs the per-expert loop; expert parallel over NCCL when there are >= 2 GPUs.
+"$PYTHON" scripts/gpu/bench_moe.py 2>&1 | tail -8 | tee "$OUT/moe_grouped_gemm.txt"
+NGPUS=$(nvidia-smi -L | wc -l)
+if [ "$NGPUS" -ge 2 ]; then
+    "$PYTHON" scripts/bench_moe.py --ngpu "$NGPUS" --ep "$NGPUS" --extra --training.mixed_precision_param=bfloat16 \
+        2>&1 | tail -6 | tee "$OUT/moe_ep_nccl.txt"
+fi

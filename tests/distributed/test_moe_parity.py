@@ -97,3 +97,12 @@ def test_parity_check_catches_double_counted_experts(reference, tmp_path):
     steps, _ = train(world, MOE + argv, str(tmp_path), setup=_experts_counted_twice)
     with pytest.raises(AssertionError):
         assert_parity(curves(steps), reference)
+
+
+def test_qwen3_moe_ep2_tp2_matches_single_process(tmp_path):
+    """Qwen3-MoE (QK-norm on tp-local heads, softmax routing, no shared expert) under EP 2 x TP 2."""
+    qwen = ["--model.name", "qwen3_moe", "--training.steps", "5"]
+    ref, _ = train(1, qwen + ["--training.local_batch_size", "4"], str(tmp_path / "single"))
+    world, argv = LAYOUTS["ep2_tp2"]
+    steps, _ = train(world, qwen + argv, str(tmp_path / "ep2_tp2"))
+    assert_parity(curves(steps), curves(ref))

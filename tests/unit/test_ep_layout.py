@@ -45,3 +45,18 @@ def test_dense_model_refuses_ep():
 def test_moe_under_tp_needs_ep():
     with pytest.raises(LayoutError, match=r"expert_parallel_degree 2"):
         dims(2, ep=1, tp=2).check_model(MOE)
+
+
+def test_plan_job_refuses_the_balance_loss_under_pp_and_an_expert_split_that_does_not_fit():
+    from torchtitan.job_plan import plan_job
+    from torchtitan.protocols.train_spec import config_manager
+
+    base = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_tiny", "--training.local_batch_size", "2"]
+    cfg = config_manager().parse_args(base + ["--moe.aux_loss_alpha", "0.01", "--parallelism.pipeline_parallel_degree", "2"])
+    with pytest.raises(ValueError, match=r"aux_loss_alpha needs the whole model in one stage"):
+        plan_job(cfg, 2)
+    cfg = config_manager().parse_args(base + ["--parallelism.expert_parallel_degree", "16"])
+    with pytest.raises(LayoutError, match=r"expert_parallel_degree 16 does not divide the model's n_routed_experts \(8\)"):
+        plan_job(cfg, 16)
+    plan = plan_job(config_manager().parse_args(base + ["--parallelism.expert_parallel_degree", "2"]), 2)
+    assert plan.parallel_dims.ep == 2 and plan.model_args.moe.load_balance_coeff == 1e-3
