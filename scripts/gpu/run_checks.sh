@@ -21,6 +21,8 @@ NGPU=1 ./run_train.sh --job.dump_folder "$OUT/debug_cuda" --training.steps 30 --
 
 "$PYTHON" scripts/gpu/bench_float8.py --layers 4 --seq-len 8192 --steps 30 2>&1 | tail -12 | tee "$OUT/float8.txt"
 
+"$PYTHON" scripts/gpu/check_memory_estimate.py --layers 4 --seq-len 8192 2>&1 | tail -8 | tee "$OUT/memory_estimate.txt"
+
 # MoE: grouped GEMM vs the per-expert loop; expert parallel over NCCL when there are >= 2 GPUs.
 "$PYTHON" scripts/gpu/bench_moe.py 2>&1 | tail -8 | tee "$OUT/moe_grouped_gemm.txt"
 NGPUS=$(nvidia-smi -L | wc -l)

@@ -184,6 +184,12 @@ class Parallelism:
     """Transformer layers per pipeline stage, counting the embedding and output as the *_less_layers below;
     sets the number of stages. None = 1 stage per rank (2 for looped/V schedules), split evenly by compute."""
 
+    pipeline_parallel_split: Literal["layers", "balanced"] = "layers"
+    """How stages are cut when neither module_fqns_per_model_part nor pipeline_parallel_layers_per_stage is set:
+    "layers" splits blocks evenly, the embedding and output counting as the *_less_layers below; "balanced"
+    cuts contiguous stages that minimise the slowest stage's training FLOPs (exact; the output projection
+    weighs in by its vocabulary matmul), ignoring *_less_layers."""
+
     pipeline_parallel_first_stage_less_layers: int = 1
     """Layers fewer on the first stage, which also holds the embedding."""
 
