@@ -16,7 +16,7 @@ from torchtitan.components import checkpoint_folders as folders
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager, RNGState
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
-from torchtitan.config import ConfigManager
+from torchtitan.protocols.train_spec import config_manager
 from torchtitan.components.train_state import TrainState
 
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2"]
@@ -168,7 +168,7 @@ class _Position:
 
 
 def small_manager(folder, model):
-    cfg = ConfigManager().parse_args(["--job.dump_folder", str(folder), "--checkpoint.enable",
+    cfg = config_manager().parse_args(["--job.dump_folder", str(folder), "--checkpoint.enable",
                                       "--checkpoint.async_mode", "async", "--checkpoint.last_save_model_only", "false"])
     optimizers = build_optimizers([model], cfg.optimizer)
     return CheckpointManager(cfg, model_parts=[model], optimizers=optimizers,

@@ -13,7 +13,8 @@ from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.tokenizer import build_tokenizer
-from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.config import ConfigError
+from torchtitan.protocols.train_spec import config_manager
 from torchtitan.datasets.dataloader import build_text_dataloader
 from torchtitan.protocols.model import BaseModelArgs, ModelOutput
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
@@ -128,27 +129,27 @@ def _metrics(folder):
 
 def test_model_section_parses_from_the_command_line_and_the_recipe(tmp_path):
     _register()
-    cfg = ConfigManager().parse_args(["--model.name", "toy_aux", "--toy.aux_weight", "0.5"])
+    cfg = config_manager().parse_args(["--model.name", "toy_aux", "--toy.aux_weight", "0.5"])
     assert cfg.toy.aux_weight == 0.5 and cfg.toy.marker == "plain"
     recipe = tmp_path / "r.toml"
     recipe.write_text('[model]\nname = "toy_aux"\n[toy]\nmarker = "from-toml"\n')
-    cfg = ConfigManager().parse_args(["--job.config_file", str(recipe), "--toy.aux_weight", "2"])
+    cfg = config_manager().parse_args(["--job.config_file", str(recipe), "--toy.aux_weight", "2"])
     assert (cfg.toy.marker, cfg.toy.aux_weight) == ("from-toml", 2.0)
 
 
 def test_model_section_rejects_unknown_keys_and_is_absent_for_other_models():
     _register()
     with pytest.raises(ConfigError, match=r"unknown option --toy.aux_weigth; did you mean --toy.aux_weight"):
-        ConfigManager().parse_args(["--model.name", "toy_aux", "--toy.aux_weigth", "1"])
+        config_manager().parse_args(["--model.name", "toy_aux", "--toy.aux_weigth", "1"])
     with pytest.raises(ConfigError, match="unknown section 'toy'"):
-        ConfigManager().parse_args(["--model.name", "llama3", "--toy.aux_weight", "1"])
-    assert not hasattr(ConfigManager().parse_args([]), "toy")
+        config_manager().parse_args(["--model.name", "llama3", "--toy.aux_weight", "1"])
+    assert not hasattr(config_manager().parse_args([]), "toy")
 
 
 def test_model_section_is_in_help(capsys):
     _register()
     with pytest.raises(SystemExit):
-        ConfigManager().parse_args(["--model.name", "toy_aux", "--help"])
+        config_manager().parse_args(["--model.name", "toy_aux", "--help"])
     out = capsys.readouterr().out
     assert "[toy]" in out and "--toy.aux_weight" in out and "Auxiliary loss per token" in out
 

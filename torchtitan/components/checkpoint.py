@@ -31,8 +31,8 @@ from torchtitan.components import checkpoint_folders as folders
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import save_config
 from torchtitan.tools.logging import logger
+from torchtitan.tools.precision import DTYPES
 
-EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # DCP's CheckpointException derives from BaseException, so `except Exception` alone would miss it.
 DCP_ERRORS = (Exception, dcp.CheckpointException)
@@ -331,7 +331,7 @@ class CheckpointManager:
         if step == self._last_saved_step:
             return
         if last and self.ckpt.last_save_model_only:
-            dtype = EXPORT_DTYPES[self.ckpt.export_dtype]
+            dtype = DTYPES[self.ckpt.export_dtype]
             model = {k: v.to(dtype) for k, v in self.model.state_dict().items()}
             self._write(os.path.join(self.root, f"export-step-{step}"), {"model": model}, step, "export")
         elif last or force or step % self.ckpt.interval == 0:

@@ -294,13 +294,6 @@ def _schema(config_cls: type) -> dict[str, dict[str, _Option]]:
     return sections
 
 
-def _registered_model_section(model_name: str):
-    # Imported here: the config package sits below the model registry, which imports the model folders.
-    from torchtitan.protocols.train_spec import model_config_section
-
-    return model_config_section(model_name)
-
-
 def _option_value(argv: list[str], flag: str) -> str | None:
     """The last value given to `flag` (as `flag VALUE` or `flag=VALUE`), or None."""
     value = None
@@ -329,11 +322,11 @@ class ConfigManager:
 
     def __init__(self, config_cls: type = JobConfig, prog: str = "torchtitan", model_section=None) -> None:
         """`model_section(model_name) -> (section name, dataclass) | None` names the config section a model
-        brings; by default the train-spec registry is asked (TrainSpec.config_section) when `config_cls` has
-        a model.name option. The section joins the schema once the job's model name is known."""
+        brings (torchtitan.protocols.train_spec.config_manager() passes the model registry's); the section
+        joins the schema once the job's model name is known."""
         self.config_cls = config_cls
         self.prog = prog
-        self._model_section = model_section or _registered_model_section
+        self._model_section = model_section
         self._sections = _schema(config_cls)
 
     # -- public API -------------------------------------------------------------------------------------
@@ -389,7 +382,7 @@ class ConfigManager:
         """`config_cls`, extended by the section of the job's model when it brings one. The model name is
         read ahead of parsing (command line, else recipe, else default); errors in either are left for the
         real parse to report."""
-        if "model" not in self._sections or "name" not in self._sections["model"]:
+        if self._model_section is None or "name" not in self._sections.get("model", {}):
             return self.config_cls
         name = _option_value(argv, "--model.name")
         if name is None:

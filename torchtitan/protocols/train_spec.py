@@ -8,6 +8,7 @@ each optimizer step (e.g. an MoE router's bias update), or a config section of i
 
 import dataclasses
 import difflib
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch.nn as nn
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.validate import build_validator
+from torchtitan.config import ConfigManager
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 
@@ -66,8 +68,9 @@ def register_train_spec(spec: TrainSpec) -> None:
 
 
 def _registered() -> dict[str, TrainSpec]:
-    import torchtitan.models  # noqa: F401  (importing the model folders registers their specs)
-
+    # The built-in model folders register themselves when torchtitan.models is imported. They are
+    # discovered by name, not imported statically: the framework layer never depends on a model folder.
+    importlib.import_module("torchtitan.models")
     return _REGISTRY
 
 
@@ -84,6 +87,12 @@ def model_config_section(name: str) -> tuple[str, type] | None:
     --model.name itself happens where the spec is looked up)."""
     spec = _registered().get(name)
     return spec.config_section if spec is not None else None
+
+
+def config_manager(prog: str = "torchtitan") -> ConfigManager:
+    """The job-config parser every entry point uses: the built-in sections plus the section of the job's
+    model (TrainSpec.config_section), which joins once the model name is read."""
+    return ConfigManager(prog=prog, model_section=model_config_section)
 
 
 def get_flavor(spec: TrainSpec, flavor: str) -> Any:
