@@ -207,10 +207,11 @@ def test_trainer_checkpoint_resume_continues_the_same_run(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--optimizer.muon_ns_steps", "0"], "--optimizer.muon_ns_steps must be at least 1"),
     (["--optimizer.muon_momentum", "1.0"], "--optimizer.muon_momentum must be in [0, 1)"),
+    (["--optimizer.muon_update_rms", "0"], "--optimizer.muon_update_rms must be positive"),
 ])
 def test_bad_muon_setting_is_one_line(tmp_path, capsys, argv, message):
+    """(muon_ns_steps 0 is in test_preflight.py's list of jobs both the pre-flight check and trainer refuse.)"""
     assert run(tmp_path, "--optimizer.name", "Muon", "--training.steps", "1", *argv) == 1
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and message in err[0], err

@@ -25,6 +25,7 @@ REJECTED = {
     "zero bubble with reshard always": (4, PP2 + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--parallelism.fsdp_reshard_after_forward", "always"], "cannot run with --parallelism.fsdp_reshard_after_forward always"),
     "explicit split misses a layer": (2, PP2 + ["--parallelism.module_fqns_per_model_part", "tok_embeddings,layers.0;layers.1,norm,output"], "module_fqns_per_model_part"),
     "unknown schedule": (2, PP2 + ["--parallelism.pipeline_parallel_schedule", "OneFOneB"], "unknown pipeline schedule"),
+    "Muon without Newton-Schulz steps": (1, ["--optimizer.name", "Muon", "--optimizer.muon_ns_steps", "0"], "--optimizer.muon_ns_steps must be at least 1"),
 }
 
 
