@@ -29,6 +29,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.adamw import adamw
 
+from torchtitan.tools.precision import DTYPES
+
 # Quintic Newton-Schulz coefficients from Keller Jordan's Muon: they maximise the slope at zero, so five
 # steps push every singular value into roughly [0.7, 1.2] (not exactly 1, which training does not need).
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -79,7 +81,7 @@ def ns_dtype_for(setting: str, device: torch.device) -> torch.dtype:
     tolerate it) and float32 elsewhere (CPUs without bf16 units emulate it, ~100x slower)."""
     if setting == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[setting]
+    return DTYPES[setting]
 
 
 def orthogonalise(update: torch.Tensor, steps: int, ns_dtype: str) -> torch.Tensor:
