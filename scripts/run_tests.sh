@@ -4,5 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/ensure_env.sh test
+scripts/ensure_slurm.sh  # on CI as root: Slurm for the slurm-marked test (it skips without)
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
 exec "$PYTHON" -m pytest -q "$@"

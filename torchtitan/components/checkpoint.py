@@ -281,6 +281,23 @@ class CheckpointManager:
             raise CheckpointError(
                 f"no usable checkpoint in {self.root} ({found}); move the folder(s) away to start from scratch"
             )
+        exports = folders.export_steps(self.root)
+        if choice.step is None and exports and not self.ckpt.initial_load_path:
+            # A finished run saved as an export only: starting over would silently redo (and overwrite) it,
+            # and continuing from the weights alone changes the run (fresh optimizer, data from the start,
+            # warmup again), so the user decides.
+            export = folders.export_folder(self.root, exports[-1])
+            raise CheckpointError(
+                f"{self.root} holds only the model-only export {export} (no full checkpoint to extend the run "
+                f"from); to continue from its weights with a fresh optimizer, data position and LR schedule, add "
+                f"--checkpoint.initial_load_path {export} --checkpoint.initial_load_model_only, or move the folder "
+                f"away to start over"
+            )
+        if choice.step is not None and exports and exports[-1] > choice.step and self.rank == 0:
+            logger.warning(
+                f"Resuming from step-{choice.step}: the newer export-step-{exports[-1]} holds weights only, so "
+                f"steps {choice.step + 1}-{exports[-1]} are trained again"
+            )
         return choice.step
 
     def _expected_model_shapes(self) -> dict[str, torch.Size]:
@@ -323,21 +340,25 @@ class CheckpointManager:
 
     # ---- saving -----------------------------------------------------------------------------------------
     def save(self, step: int, *, last: bool = False, force: bool = False) -> None:
-        """Saves at the interval, at the last step (an export when last_save_model_only) and when forced
-        (preemption). A step is saved at most once."""
+        """Saves the full state at the interval, when forced (preemption) and at the last step, where
+        `last_save` may add (or, export_only, write instead) the model-only export. A step is saved at most once."""
         if not self.ckpt.enable:
             return
         self._poll()
         if step == self._last_saved_step:
             return
-        if last and self.ckpt.last_save_model_only:
+        if last:
+            full, export = self.ckpt.last_save != "export_only", self.ckpt.last_save != "full"
+        else:
+            full, export = force or step % self.ckpt.interval == 0, False
+        if not (full or export):
+            return
+        if full:
+            self._write(folders.step_folder(self.root, step), self.states, step, "full")
+        if export:
             dtype = DTYPES[self.ckpt.export_dtype]
             model = {k: v.to(dtype) for k, v in self.model.state_dict().items()}
-            self._write(os.path.join(self.root, f"export-step-{step}"), {"model": model}, step, "export")
-        elif last or force or step % self.ckpt.interval == 0:
-            self._write(folders.step_folder(self.root, step), self.states, step, "full")
-        else:
-            return
+            self._write(folders.export_folder(self.root, step), {"model": model}, step, "export")
         self._last_saved_step = step
 
     def _write(self, final: str, states: dict, step: int, kind: str) -> None:
@@ -355,7 +376,12 @@ class CheckpointManager:
             self.last_blocking_s = time.perf_counter() - t0
             logger.info(f"Checkpoint {final}: staged in {self.last_blocking_s:.2f}s, writing in the background")
         else:
-            dcp.save(states, checkpoint_id=partial, no_dist=not dist.is_initialized())
+            try:
+                dcp.save(states, checkpoint_id=partial, no_dist=not dist.is_initialized())
+            except DCP_ERRORS as e:  # e.g. a full disk: this save fails, the complete checkpoints stay
+                raise CheckpointError(
+                    f"save of {final} failed: {type(e).__name__}: {_first_line(e)}; {partial} is left for inspection"
+                ) from e
             self._finish(partial, final, {**info, "mode": "sync"})
             self.last_blocking_s = time.perf_counter() - t0
 
@@ -372,9 +398,11 @@ class CheckpointManager:
     def _finish(self, partial: str, final: str, info: dict) -> None:
         if self.rank == 0:
             finish_folder(partial, final, self.cfg, info)
-            logger.info(f"Saved checkpoint {final}")
             if info["kind"] == "full":
+                logger.info(f"Saved checkpoint {final}")
                 self._reclaimer.start(protect={info["step"]})
+            else:
+                logger.info(f"Saved model-only export {final} (weights for generation and conversion; not resumable)")
 
     def _poll(self) -> None:
         """Completes a background save that has finished, so it becomes visible (and survives a kill) early."""

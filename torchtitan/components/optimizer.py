@@ -69,8 +69,13 @@ class OptimizersContainer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a merged state dict; each part picks the keys of its own parameters by FQN."""
+        # The LR is the LR schedule's to set (it may be re-fit to a new training.steps, or not restored at
+        # all); the one saved here belongs to the saved schedule, so each group keeps its current LR.
+        lrs = [group["lr"] for group in self.param_groups]
         for model, optimizer in zip(self.model_parts, self.optimizers):
             set_optimizer_state_dict(model, optimizer, optim_state_dict=state_dict, options=_STATE_DICT_OPTIONS)
+        for group, lr in zip(self.param_groups, lrs):
+            group["lr"] = lr
 
 
 def _implementation_flags(implementation: str) -> dict[str, bool]:

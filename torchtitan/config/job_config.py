@@ -5,7 +5,7 @@ user manual of every option. Key names follow torchtitan v0.2 so recipes and hab
 """
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 
 @dataclass
@@ -46,11 +46,29 @@ class Model:
 @dataclass
 class Training:
     dataset: str = "stdlib_docs"
-    """Dataset name: `stdlib_docs` (shipped, offline), `c4`, `c4_test`, `fineweb` (Hugging Face hub, streamed),
-    or `local` with `dataset_path` pointing to json/jsonl/parquet/txt files."""
+    """Dataset name: `stdlib_docs` (shipped, offline), `c4`, `fineweb` (Hugging Face hub, streamed), `local` with
+    `dataset_path` pointing to json/jsonl/parquet/txt files, `chat` with `dataset_path` a jsonl of chat records
+    (SFT: only answers are trained); or a folder of pre-tokenized shards (`python -m torchtitan.datasets.pretokenize`)."""
 
     dataset_path: str | None = None
     """Local file, folder or glob for the dataset (overrides the hub path of a named dataset)."""
+
+    datasets: list[str] = field(default_factory=list)
+    """Weighted mixture replacing `dataset`: entries SOURCE:WEIGHT, a SOURCE being a registered dataset name (at
+    its default location) or a folder written by `python -m torchtitan.datasets.pretokenize`, e.g.
+    ["stdlib_docs:0.7", "/data/web_shards:0.3"]. Which source each sample comes from is drawn from the seed;
+    the loss of each source is logged as loss/<source>."""
+
+    dataset_exhausted: Literal["loop", "stop"] = "loop"
+    """When a training source runs out: loop (start it over, a new epoch, with a warning) or stop (end
+    training with a message)."""
+
+    document_masking: bool = False
+    """Attention stays within each document of a packed sequence (block-causal); documents are told apart by
+    their BOS tokens."""
+
+    document_positions: bool = False
+    """RoPE positions restart at 0 at every document of a packed sequence (use with document_masking)."""
 
     local_batch_size: int = 8
     """Sequences per microbatch on each data-parallel rank."""
@@ -197,6 +215,12 @@ class Parallelism:
     """Transformer layers per pipeline stage, counting the embedding and output as the *_less_layers below;
     sets the number of stages. None = 1 stage per rank (2 for looped/V schedules), split evenly by compute."""
 
+    pipeline_parallel_split: Literal["layers", "balanced"] = "layers"
+    """How stages are cut when neither module_fqns_per_model_part nor pipeline_parallel_layers_per_stage is set:
+    "layers" splits blocks evenly, the embedding and output counting as the *_less_layers below; "balanced"
+    cuts contiguous stages that minimise the slowest stage's training FLOPs (exact; the output projection
+    weighs in by its vocabulary matmul), ignoring *_less_layers."""
+
     pipeline_parallel_first_stage_less_layers: int = 1
     """Layers fewer on the first stage, which also holds the embedding."""
 
@@ -237,11 +261,14 @@ class Checkpoint:
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
     """Save in the background: async, or async with pinned-memory staging (CUDA only)."""
 
-    last_save_model_only: bool = True
-    """At the last step save the model weights only (an export), in `export_dtype`."""
+    last_save: Literal["full", "full_and_export", "export_only"] = "full"
+    """What the last step writes: `full` = the whole training state (`step-N`; rerunning with more
+    --training.steps extends the run); `full_and_export` = that and the model weights alone (`export-step-N`,
+    in export_dtype, for generation and conversion); `export_only` = the export alone (smaller, but the run
+    cannot be extended: a rerun refuses and names the options that continue from the export's weights)."""
 
     export_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of the model-only export."""
+    """Dtype of the model-only export (export-step-N)."""
 
     initial_load_path: str | None = None
     """Checkpoint to start from when the run folder has none (e.g. a seed checkpoint or a converted model)."""
@@ -260,6 +287,10 @@ class Checkpoint:
 class Metrics:
     log_freq: int = 10
     """Log metrics every N steps."""
+
+    straggler_threshold: float = 0.2
+    """Warn when the slowest rank needs this fraction more time per step than the median rank to get its
+    gradients ready (measured per rank, gathered every log step; straggler/* in metrics.jsonl)."""
 
     enable_tensorboard: bool = False
     """Write TensorBoard scalars under `{dump_folder}/{save_tb_folder}`."""
@@ -343,6 +374,40 @@ class Comm:
     train_timeout_seconds: int = 100
     """Timeout for collectives once training has started."""
 
+    hang_timeout_seconds: float = 30.0
+    """Hang diagnosis (keep it well below train_timeout_seconds): when a rank has waited this long in a
+    collective that other ranks have not reached, it logs the collective (per-group sequence number and name)
+    and the ranks that have not arrived, and every rank dumps its Python stack to {dump_folder}/hang/rank-N.txt.
+    0 turns it off."""
+
+    trace_buf_size: int = 0
+    """CUDA: record the last N collectives per rank in NCCL's flight recorder and dump them to
+    {dump_folder}/comm_traces/rank_N when a collective times out (e.g. 20000). 0 = off."""
+
+
+@dataclass
+class FaultTolerance:
+    enable: bool = False
+    """Fault-tolerant data-parallel replica groups (torchft; see docs/reliability.md): each group is its own
+    torchrun job, gradients are averaged over the live groups every step, a group that dies is dropped without
+    stopping the others, and a (re)joining group copies the training state from a live peer. Needs
+    `pip install torchft==0.2.0` and a lighthouse (`torchft_lighthouse`) whose address is in TORCHFT_LIGHTHOUSE."""
+
+    replica_id: int = 0
+    """This group's index, 0..group_size-1 (it picks the group's share of the data)."""
+
+    group_size: int = 1
+    """How many replica groups the job has (the data is split among all of them)."""
+
+    min_replica_size: int = 1
+    """Steps are committed only while at least this many groups are in the quorum."""
+
+    timeout_seconds: float = 10.0
+    """Timeout of the collectives between groups: a dead group is noticed after at most this long."""
+
+    quorum_timeout_seconds: float = 60.0
+    """How long a group waits to form a quorum at the lighthouse."""
+
 
 @dataclass
 class Debug:
@@ -355,6 +420,12 @@ class Debug:
 
 @dataclass
 class JobConfig:
+    # Options that no longer exist -> what replaces them (the config loader's error message names it).
+    RETIRED_OPTIONS: ClassVar[dict[str, str]] = {
+        "checkpoint.last_save_model_only": "checkpoint.last_save (true was export_only; full keeps the run "
+        "extendable, full_and_export writes both)",
+    }
+
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
@@ -369,4 +440,5 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
     comm: Comm = field(default_factory=Comm)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     debug: Debug = field(default_factory=Debug)

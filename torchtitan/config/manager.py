@@ -320,13 +320,18 @@ class ConfigManager:
     `config_cls` is a dataclass whose every field is a section dataclass with default values, like JobConfig.
     """
 
-    def __init__(self, config_cls: type = JobConfig, prog: str = "torchtitan", model_section=None) -> None:
+    def __init__(
+        self, config_cls: type = JobConfig, prog: str = "torchtitan", model_section=None, *, skip_retired: bool = False
+    ) -> None:
         """`model_section(model_name) -> (section name, dataclass) | None` names the config section a model
         brings (torchtitan.protocols.train_spec.config_manager() passes the model registry's); the section
-        joins the schema once the job's model name is known."""
+        joins the schema once the job's model name is known. `skip_retired`: a TOML file may hold options
+        retired since (`config_cls.RETIRED_OPTIONS`) and they are ignored: for reading the config a checkpoint
+        was saved with, not for recipes a person edits."""
         self.config_cls = config_cls
         self.prog = prog
         self._model_section = model_section
+        self._skip_retired = skip_retired
         self._sections = _schema(config_cls)
 
     # -- public API -------------------------------------------------------------------------------------
@@ -436,6 +441,8 @@ class ConfigManager:
 
     def _lookup(self, name: str, prefix: str = "--") -> _Option:
         """The option `section.key`, or a ConfigError naming the nearest valid ones."""
+        if name in self._retired():
+            raise ConfigError(f"option {prefix}{name} was retired; use {prefix}{self._retired()[name]}")
         section, dot, key = name.partition(".")
         if not dot or not section or not key:
             holders = [f"{prefix}{s}.{name}" for s, options in self._sections.items() if name in options]
@@ -447,6 +454,9 @@ class ConfigManager:
         if key not in self._sections[section]:
             raise ConfigError(f"unknown option {prefix}{name}{self._key_hint(section, key, prefix)}")
         return self._sections[section][key]
+
+    def _retired(self) -> dict[str, str]:
+        return getattr(self.config_cls, "RETIRED_OPTIONS", {})
 
     def _section_hint(self, section: str, key: str | None, prefix: str) -> str:
         close = difflib.get_close_matches(section, list(self._sections), n=3)
@@ -493,6 +503,8 @@ class ConfigManager:
             if not isinstance(table, dict):
                 raise ConfigError(f"[{section}] must be a table of options, got {table!r}")
             for key, value in table.items():
+                if self._skip_retired and f"{section}.{key}" in self._retired():
+                    continue
                 option = self._lookup(f"{section}.{key}", prefix="")
                 try:
                     assignments.append((option, _convert_toml(value, option.tp)))

@@ -89,10 +89,10 @@ def model_config_section(name: str) -> tuple[str, type] | None:
     return spec.config_section if spec is not None else None
 
 
-def config_manager(prog: str = "torchtitan") -> ConfigManager:
+def config_manager(prog: str = "torchtitan", *, skip_retired: bool = False) -> ConfigManager:
     """The job-config parser every entry point uses: the built-in sections plus the section of the job's
-    model (TrainSpec.config_section), which joins once the model name is read."""
-    return ConfigManager(prog=prog, model_section=model_config_section)
+    model (TrainSpec.config_section), which joins once the model name is read. `skip_retired`: see ConfigManager."""
+    return ConfigManager(prog=prog, model_section=model_config_section, skip_retired=skip_retired)
 
 
 def get_flavor(spec: TrainSpec, flavor: str) -> Any:
