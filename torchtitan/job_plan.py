@@ -4,7 +4,7 @@
 and the trainer both call it, so both give the same one-line answer, before any process group exists: the
 model and flavor, the tokenizer, the layout against the world size, the shapes each parallel degree splits
 (declared by the model args' `divisible_by`), the batch and sequence divisibility, compile, activation
-checkpointing, the model converters (Float8) and the pipeline plan.
+checkpointing, the optimizer settings (Muon), the model converters (Float8) and the pipeline plan.
 """
 
 import dataclasses
@@ -13,6 +13,7 @@ import inspect
 import torch
 import torch.nn as nn
 
+from torchtitan.components.muon import check_muon_config
 from torchtitan.components.quantization import ModelConverters, build_model_converters
 from torchtitan.config import JobConfig
 from torchtitan.distributed.activation_checkpoint import check_ac_config
@@ -67,6 +68,7 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
     _check_device_features(cfg, device_type)
     check_compile_config(cfg, device_type)
     check_ac_config(cfg.activation_checkpoint, model_compiled=compiles(cfg, "model"))
+    check_muon_config(cfg.optimizer)
 
     with torch.device("meta"):
         model = spec.model_cls(model_args)

@@ -26,6 +26,7 @@ REJECTED = {
     "explicit split misses a layer": (2, PP2 + ["--parallelism.module_fqns_per_model_part", "tok_embeddings,layers.0;layers.1,norm,output"], "module_fqns_per_model_part"),
     "document masking on a model without it": (1, ["--model.name", "qwen3", "--model.flavor", "debugmodel_tiny", "--training.document_masking"], "does not take that input"),
     "unknown schedule": (2, PP2 + ["--parallelism.pipeline_parallel_schedule", "OneFOneB"], "unknown pipeline schedule"),
+    "Muon without Newton-Schulz steps": (1, ["--optimizer.name", "Muon", "--optimizer.muon_ns_steps", "0"], "--optimizer.muon_ns_steps must be at least 1"),
 }
 
 

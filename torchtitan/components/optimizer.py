@@ -7,6 +7,7 @@ one parallel layout (FSDP/TP DTensors, a different pipeline split) loads under a
 """
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from torchtitan.components.muon import MuonWithAdamW, check_muon_config, default_is_muon_param
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 
 _OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
@@ -104,15 +106,26 @@ def _check_fused_supported(optimizer_class: type[torch.optim.Optimizer], params:
             ) from e
 
 
-def build_optimizers(model_parts: list[nn.Module], cfg: OptimizerConfig, parallel_dims=None) -> OptimizersContainer:
+def build_optimizers(
+    model_parts: list[nn.Module],
+    cfg: OptimizerConfig,
+    parallel_dims=None,
+    is_muon_param: Callable[[str, nn.Parameter], bool] = default_is_muon_param,
+) -> OptimizersContainer:
     """One `cfg.name` optimizer per model part, over all of its trainable parameters. (The default
     `build_optimizers_fn` of a TrainSpec; `parallel_dims` is there for optimizers that need the layout.)
 
     Weight decay applies to every parameter, norms and embeddings included, as in torchtitan's reference
     recipes: exempting them changes the loss curves those recipes were tuned for.
+
+    Muon: `is_muon_param(fqn, param)` picks the parameters that use Muon (default: 2-D weights of the
+    blocks in `layers`); the rest use AdamW. A model with other needs passes its own rule through its spec:
+    `build_optimizers_fn=functools.partial(build_optimizers, is_muon_param=rule)`.
     """
+    if cfg.name == "Muon":
+        return _build_muon(model_parts, cfg, is_muon_param)
     if cfg.name not in _OPTIMIZER_CLASSES:
-        raise ValueError(f"Unknown optimizer {cfg.name!r}; choose one of {sorted(_OPTIMIZER_CLASSES)}")
+        raise ValueError(f"Unknown optimizer {cfg.name!r}; choose one of {sorted([*_OPTIMIZER_CLASSES, 'Muon'])}")
     optimizer_class = _OPTIMIZER_CLASSES[cfg.name]
     make_optimizer = functools.partial(
         optimizer_class,
@@ -130,4 +143,30 @@ def build_optimizers(model_parts: list[nn.Module], cfg: OptimizerConfig, paralle
         if cfg.implementation == "fused":
             _check_fused_supported(optimizer_class, params)
         optimizers.append(make_optimizer(params))
+    return OptimizersContainer(model_parts, optimizers)
+
+
+def _build_muon(
+    model_parts: list[nn.Module], cfg: OptimizerConfig, is_muon_param: Callable[[str, nn.Parameter], bool]
+) -> OptimizersContainer:
+    """Per model part: one MuonWithAdamW with a Muon group (the parameters `is_muon_param` picks) and an
+    AdamW group (the rest), both at cfg.lr and cfg.weight_decay."""
+    check_muon_config(cfg)
+    optimizers = []
+    for model in model_parts:
+        muon, adamw = [], []
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                (muon if is_muon_param(name, p) else adamw).append(p)
+        if not muon and not adamw:
+            raise ValueError(f"Model part {type(model).__name__} has no trainable parameters")
+        groups = [{"params": muon, "use_muon": True}] if muon else []
+        groups += [{"params": adamw, "use_muon": False}] if adamw else []
+        if cfg.implementation == "fused" and adamw:
+            _check_fused_supported(torch.optim.AdamW, adamw)
+        optimizers.append(MuonWithAdamW(
+            groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+            momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
+            ns_dtype=cfg.muon_ns_dtype, update_rms=cfg.muon_update_rms, **_implementation_flags(cfg.implementation),
+        ))
     return OptimizersContainer(model_parts, optimizers)

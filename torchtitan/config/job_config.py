@@ -120,8 +120,9 @@ class Validation:
 
 @dataclass
 class Optimizer:
-    name: Literal["AdamW", "Adam"] = "AdamW"
-    """Optimizer class."""
+    name: Literal["AdamW", "Adam", "Muon"] = "AdamW"
+    """Optimizer class. Muon: Muon for the 2-D weight matrices of the transformer blocks, AdamW (with the
+    settings below) for embeddings, output head, norms and biases; see docs/optimizers.md."""
 
     lr: float = 8e-4
     """Peak learning rate."""
@@ -140,6 +141,24 @@ class Optimizer:
 
     implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
     """Optimizer kernel: for-loop, foreach (multi-tensor) or fused."""
+
+    muon_momentum: float = 0.95
+    """Muon: momentum coefficient of the matrices' momentum buffer."""
+
+    muon_nesterov: bool = True
+    """Muon: orthogonalise the Nesterov look-ahead (gradient + momentum x buffer) instead of the buffer."""
+
+    muon_ns_steps: int = 5
+    """Muon: quintic Newton-Schulz iterations that orthogonalise each matrix update."""
+
+    muon_ns_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Muon: dtype of the Newton-Schulz iterations. auto = bfloat16 on CUDA, float32 elsewhere (CPUs
+    without bf16 units emulate it)."""
+
+    muon_update_rms: float = 0.2
+    """Muon: RMS of a matrix's update before the learning rate (orthogonalised update x this x
+    sqrt(max(rows, cols))). 0.2 matches AdamW's typical update RMS, so --optimizer.lr and weight_decay serve
+    Muon and AdamW parameters alike."""
 
 
 @dataclass
