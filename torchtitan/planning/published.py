@@ -1,0 +1,113 @@
+"""Published training layouts the planner is checked against, and the comparison with its ranking
+(tests/unit/test_planner.py, scripts/planning/published_layouts.py, docs/planning.md).
+
+Each case gives the planner what the run fixed (model, devices, device type, network, sequence length,
+global batch) and asks for the degrees; the AC mode, batch split and schedule stay free.
+"""
+
+import dataclasses
+
+from torchtitan.models.llama3 import llama3_flavors
+from torchtitan.planning.hardware import FLAT_NETWORK, LLAMA3_RDMA_CLUSTER, Network, get_device
+from torchtitan.planning.memory import ModelShape
+from torchtitan.planning.planner import Candidate, PlanResult, evaluate, flops_per_token, plan_layouts
+
+TIE = 0.05
+"""Layouts whose predicted step times differ by less than this fraction are a tie: below what the model
+resolves. What it leaves out (torch.compile, Float8, async TP, NCCL kernels taking SMs from overlapped
+compute, a power cap) each moves a layout's throughput by 5-30% (docs/planning.md), and its predicted /
+published throughput ratios spread from 0.6 to 1.5."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+    """A layout someone trained with, and the throughput they reported (tokens/s/GPU)."""
+
+    name: str
+    flavor: str
+    devices: int
+    seq_len: int
+    global_batch_size: int
+    tp: int
+    pp: int
+    cp: int
+    tokens_per_s: float
+    """Reported tokens/s/GPU, or FLOP/s/GPU converted with this model's flops_per_token."""
+    ac: str
+    """The run's AC mode (none | op | full; "" = not stated)."""
+    source: str
+    device: str = "H100-80GB"
+    network: Network = FLAT_NETWORK
+
+    def describe(self) -> str:
+        dp = self.devices // (self.tp * self.pp * self.cp)
+        return " x ".join(f"{n} {v}" for n, v in (("pp", self.pp), ("dp", dp), ("cp", self.cp), ("tp", self.tp)) if v > 1)
+
+    def matches(self, c: Candidate) -> bool:
+        """The published degrees (FSDP or HSDP for the data-parallel part, any AC, batch split, schedule)."""
+        return (c.layout.tp, c.layout.pp, c.layout.cp) == (self.tp, self.pp, self.cp)
+
+
+_TT = "torchtitan paper (arXiv 2410.06511) = torchtitan docs/performance.md"
+_405B = ModelShape(16384, 53248, 1024, 128, 128256, 126)
+PUBLISHED = (
+    Published("Llama 3.1 8B, 8 H100", "8B", 8, 8192, 16, 1, 1, 1, 5762, "op",
+              f"{_TT} Table 1: FSDP 8, local batch 2, global 16, selective (op) AC, bf16, no compile",
+              "H100-96GB"),
+    Published("Llama 3.1 70B, 256 H100", "70B", 256, 8192, 512, 8, 1, 1, 829, "full",
+              f"{_TT} Table 4: FSDP 32 x TP 8, local batch 16, global 512, full AC, compile + Float8", "H100-96GB"),
+    Published("Llama 3.1 405B, 512 H100", "405B", 512, 8192, 256, 8, 8, 1, 100, "full",
+              f"{_TT} Table 5: FSDP 8 x TP 8 x PP 8, local batch 32, global 256, full AC, 1F1B, compile + Float8 "
+              "+ async TP (Interleaved 1F1B: 128)", "H100-96GB"),
+    Published("Llama 3 405B, 16K H100", "405B", 16384, 8192, 2048, 8, 16, 1,
+              400e12 / flops_per_token(_405B, 8192), "",
+              "Llama 3 paper (arXiv 2407.21783) Table 4: 400 TFLOP/s/GPU (38% MFU) at TP 8, CP 1, PP 16, DP 128, "
+              "8K sequences, 16M tokens (2,048 sequences) per batch; converted with flops_per_token",
+              "H100-80GB", LLAMA3_RDMA_CLUSTER),
+)
+
+
+@dataclasses.dataclass
+class Comparison:
+    case: Published
+    result: PlanResult
+    rank: int | None
+    """1-based rank of the best candidate with the published degrees; None = none fits."""
+    gap: float
+    """Its predicted step time / the planner's first choice's - 1."""
+    reason: str
+
+
+def compare(case: Published) -> Comparison:
+    """Plan the case and say where its published layout lands, and why when it is not first."""
+    device = get_device(case.device)
+    shape = ModelShape.from_args(llama3_flavors[case.flavor])
+    result = plan_layouts(shape, device, case.devices, case.seq_len, case.global_batch_size, network=case.network)
+    rank = next((i for i, c in enumerate(result.ranked, 1) if case.matches(c)), None)
+    if rank is None:
+        return Comparison(case, result, None, float("inf"), "the published degrees do not fit or divide")
+    best, ours = result.ranked[0], result.ranked[rank - 1]
+    gap = ours.time.total / best.time.total - 1
+    if rank == 1:
+        reason = "the planner's first choice"
+    elif gap < TIE:
+        reason = f"a tie: {100 * gap:.1f}% slower than #1, below what the model resolves ({100 * TIE:.0f}%)"
+    else:
+        reason = _why_slower(case, shape, device, result, best, ours)
+    return Comparison(case, result, rank, gap, reason)
+
+
+def _why_slower(case, shape, device, result: PlanResult, best: Candidate, ours: Candidate) -> str:
+    """Name the AC mode when that is what separates the two: no layout with the published degrees fits
+    the AC mode of the planner's first choice, and the recomputation that forces is the gap."""
+    if not any(case.matches(c) and c.layout.ac == best.layout.ac for c in result.ranked):
+        try:
+            evaluate(shape, dataclasses.replace(ours.layout, ac=best.layout.ac), device, case.devices,
+                     case.seq_len, case.global_batch_size, network=case.network)
+            example = ""
+        except MemoryError as e:
+            example = f" (this layout with it: {e})"
+        return (f"no layout with the published degrees fits AC {best.layout.ac}{example}; they need AC "
+                f"{ours.layout.ac}, whose recomputation #1 avoids at pp {best.layout.pp} x tp {best.layout.tp}")
+    parts = ", ".join(f"{k} {v:.2f} s" for k, v in ours.time.exposed.items())
+    return f"slower by {100 * (ours.time.total / best.time.total - 1):.0f}%: {parts}"
