@@ -9,6 +9,9 @@
            gradients unsharded, in fp32 (the reduce dtype), instead of the sharded ones; under PP the
            stage's parameters also stay gathered (compute dtype) for the whole step (no reshard after
            forward or backward)
+         + PP receive buffers: torch's PipelineStage allocates, up front and for good, one activation
+           buffer per microbatch for each local stage but the first and one gradient buffer per
+           microbatch for each but the last (sequence-parallel boundary activations)
          + allocator overhead (CUDA caching allocator: a stated fraction; CPU: none)
          + CUDA context and NCCL buffers (GPU: a stated constant; CPU: none)
 
