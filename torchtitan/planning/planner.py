@@ -147,7 +147,15 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
                         pipeline_parallel_layers_per_stage=L.layers_per_stage),
             _order(shape), 1, 2, L.local_batch_size)
         all_ranks = {r: [plan.stages[s] for s in plan.local_stages(r)] for r in range(L.pp)}
-        per_rank_stages = {r: all_ranks[r] for r in (0, L.pp - 1)}
+        # Memory is judged on the first rank (most microbatches in flight), the last (the output and loss)
+        # and the one with the most block activations in flight (rank 1 when rank 0's first stage is only
+        # the embedding).
+        def in_flight_blocks(r: int) -> float:
+            blocks = sum(n.startswith("layers.") for st in all_ranks[r] for n in st)
+            return blocks * in_flight_microbatches(L.schedule, plan.n_microbatches, L.pp, r, len(all_ranks[r]))
+
+        heaviest = max(range(L.pp), key=in_flight_blocks)
+        per_rank_stages = {r: all_ranks[r] for r in (0, heaviest, L.pp - 1)}
         n_mb = plan.n_microbatches
     else:
         all_ranks = per_rank_stages = {0: [tuple(_order(shape))]}
@@ -156,7 +164,7 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
     # more than a block, the embedding nothing).
     module_fpt = module_flops_per_token(shape, seq_len)
     busiest_fpt = max(sum(module_fpt[n] for st in stages for n in st) for stages in all_ranks.values())
-    # Memory of the heaviest pipeline rank (the first keeps the most microbatches, the last the output).
+    # Memory of the heaviest pipeline rank.
     worst: MemoryEstimate | None = None
     stage_params_max = 0
     for r, stages in per_rank_stages.items():

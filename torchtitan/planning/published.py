@@ -109,5 +109,29 @@ def _why_slower(case, shape, device, result: PlanResult, best: Candidate, ours: 
             example = f" (this layout with it: {e})"
         return (f"no layout with the published degrees fits AC {best.layout.ac}{example}; they need AC "
                 f"{ours.layout.ac}, whose recomputation #1 avoids at pp {best.layout.pp} x tp {best.layout.tp}")
-    parts = ", ".join(f"{k} {v:.2f} s" for k, v in ours.time.exposed.items())
-    return f"slower by {100 * (ours.time.total / best.time.total - 1):.0f}%: {parts}"
+    why = (f"{100 * (ours.time.total / best.time.total - 1):.0f}% slower than #1 "
+           f"({best.layout.describe()}); seconds per step, published degrees vs #1: {time_diff(ours, best)}")
+    if ours.layout.pp > 1:  # finer interleaving would shrink the bubble: say why the planner did not take it
+        tight = []
+        for lps in (1, 2, 4):
+            finer = dataclasses.replace(ours.layout, schedule="Interleaved1F1B", layers_per_stage=lps)
+            try:
+                evaluate(shape, finer, device, case.devices, case.seq_len, case.global_batch_size, network=case.network)
+            except MemoryError as e:
+                tight.append(f"{lps} layers per stage: {e}")
+            except Exception:  # noqa: BLE001 - a split the pipeline planner rejects is no option either
+                pass
+        if tight:
+            why += f"; with finer interleaving (a smaller bubble) these degrees do not fit ({'; '.join(tight)})"
+    return why
+
+
+def time_diff(a: Candidate, b: Candidate) -> str:
+    """The step-time terms in which two candidates differ by more than 1% of b's step, largest first."""
+    terms = {"compute": (a.time.compute, b.time.compute),
+             "bubble": (a.time.compute * a.time.bubble, b.time.compute * b.time.bubble)}
+    for k in {*a.time.exposed, *b.time.exposed}:
+        terms[f"{k} exposed"] = (a.time.exposed.get(k, 0.0), b.time.exposed.get(k, 0.0))
+    big = sorted(((abs(x - y), k, x, y) for k, (x, y) in terms.items() if abs(x - y) > 0.01 * b.time.total),
+                 reverse=True)
+    return ", ".join(f"{k} {x:.2f} vs {y:.2f}" for _, k, x, y in big)
