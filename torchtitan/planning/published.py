@@ -16,7 +16,7 @@ TIE = 0.05
 """Layouts whose predicted step times differ by less than this fraction are a tie: below what the model
 resolves. What it leaves out (torch.compile, Float8, async TP, NCCL kernels taking SMs from overlapped
 compute, a power cap) each moves a layout's throughput by 5-30% (docs/planning.md), and its predicted /
-published throughput ratios spread from 0.6 to 1.5."""
+published throughput ratios spread from 0.7 to 1.5."""
 
 
 @dataclasses.dataclass(frozen=True)
