@@ -3,6 +3,8 @@
 #   CONFIG_FILE  TOML recipe (default: train_configs/debug_model.toml)
 #   NGPU         processes on this machine (default: all visible GPUs, or 1 on a CPU-only machine)
 #   LOG_RANK     ranks whose output is shown (default: 0)
+#   MAX_RESTARTS restart a failed run up to this many times, each resuming from the last complete checkpoint
+#                (default: 0); SAME_FAILURE_LIMIT: stop once this many attempts in a row failed the same way (3)
 # Extra arguments are passed to the trainer, e.g. ./run_train.sh --training.steps 20
 # Multi-node: scripts/multinode_trainer.slurm.
 set -euo pipefail
@@ -23,6 +25,11 @@ done
 # report from every process.
 "$PYTHON" -m torchtitan.preflight --world-size "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
 
-exec "$PYTHON" -m torch.distributed.run --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+# Restarts are counted by torchtitan.tools.restart (one torchrun per attempt), which can tell a repeated
+# failure from a new one; with --checkpoint.enable every attempt resumes from the last complete checkpoint.
+exec "$PYTHON" -m torchtitan.tools.restart --max-restarts "${MAX_RESTARTS:-0}" \
+    --same-failure-limit "${SAME_FAILURE_LIMIT:-3}" -- \
+    "$PYTHON" -m torch.distributed.run --nproc_per_node="$NGPU" --max-restarts 0 \
+    --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
     --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 \
     -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"

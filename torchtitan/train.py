@@ -11,7 +11,10 @@ import torch.distributed as dist
 from torchtitan.config import ConfigError
 from torchtitan.protocols.train_spec import config_manager
 from torchtitan.errors import USER_ERRORS
+from torchtitan.tools.restart import record_failure
 from torchtitan.trainer import Trainer
+
+PREEMPTED_EXIT = 143  # 128 + SIGTERM: the run stopped early (checkpoint saved); rerunning it resumes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,22 +22,30 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_manager().parse_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        record_failure(str(e), restartable=False)
         return 2
     trainer = None
     try:
         trainer = Trainer(cfg)
         trainer.train()
     except USER_ERRORS as e:
+        record_failure(str(e))
         if os.environ.get("TORCHTITAN_TRACEBACK"):
             raise
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
         return 1
+    except BaseException as e:  # a bug or a broken peer: the traceback follows; the supervisor gets the gist
+        record_failure(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        raise
     finally:
         if trainer is not None:
             trainer.close()
         elif dist.is_initialized():
             dist.destroy_process_group()
+    if trainer.preempted:
+        record_failure(f"preempted (SIGTERM) after step {trainer.train_state.step}, its checkpoint saved")
+        return PREEMPTED_EXIT
     return 0
 
 

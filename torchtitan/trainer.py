@@ -30,11 +30,13 @@ from torchtitan.components.metrics import MetricsLogger, throughput_metrics
 from torchtitan.components.train_state import TrainState
 from torchtitan.config import JobConfig
 from torchtitan.config.manager import save_config, to_toml
+from torchtitan.distributed import fault_tolerance, hang_watch
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.context_parallel import shard_batch
 from torchtitan.errors import TrainingError
 from torchtitan.job_plan import plan_job
 from torchtitan.protocols.model import ModelOutput, as_model_output, split_inputs
+from torchtitan.tools import fault_injection, stragglers
 from torchtitan.tools.device_peak import peak_flops
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.memory import MemoryMonitor
@@ -47,8 +49,12 @@ from torchtitan.tools.profiling import Profiler
 class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
+        hang_watch.enable_flight_recorder(cfg.comm.trace_buf_size, cfg.job.dump_folder)  # NCCL only; before init
         self.device, self.rank, self.world_size = dist_utils.init_distributed(cfg.comm)
         init_logger(self.rank)
+        fault_injection.install(self.rank)  # no-op unless TORCHTITAN_FAULTS is set (fault-tolerance tests)
+        self.preempted = False
+        self.step_clock = stragglers.StepClock()  # this rank's data and time-to-ready per step
         logger.info(f"Starting job: {cfg.job.description}")
         if self.rank == 0:
             os.makedirs(cfg.job.dump_folder, exist_ok=True)
@@ -65,6 +71,9 @@ class Trainer:
         pd = self.parallel_dims
         self.mesh = pd.build_mesh(self.device.type) if self.world_size > 1 else None
         self.dp_rank, self.dp_degree = pd.coordinate("dp") if self.mesh else (0, 1)
+        self.dp_rank, self.dp_degree, self.global_batch_size = fault_tolerance.data_coordinate(
+            cfg.fault_tolerance, self.dp_rank, self.dp_degree, self.global_batch_size
+        )  # fault-tolerant replica groups split the data among them
         seed = dist_utils.set_determinism(cfg.debug, self.device)
 
         # ---- data --------------------------------------------------------------------------------------
@@ -111,6 +120,10 @@ class Trainer:
             dataloader=self.dataloader,
             train_state=self.train_state,
             hf_adapter=self.spec.state_dict_adapter,
+        )
+        self.replicas = (
+            fault_tolerance.Replicas(cfg.fault_tolerance, self.checkpointer.states, self.rank, self.world_size, self.device)
+            if cfg.fault_tolerance.enable else None
         )
 
         # ---- observability --------------------------------------------------------------------------------
@@ -216,16 +229,21 @@ class Trainer:
             loss_sum += loss_value(loss)
             for k, v in out.metrics.items():
                 model_metrics[k] = model_metrics.get(k, 0) + v.detach() / len(microbatches)
+        fault_injection.point(self.train_state.step + 1)
+        self.step_clock.ready()
+        if self.replicas is not None:
+            self.replicas.average_gradients(self.model_parts)
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()],
             self.cfg.training.max_norm,
             pp_group=self.pipeline.group if self.pipeline is not None else None,
         )
         self._step_lr = self.optimizers.param_groups[0]["lr"]  # the LR this step trained with
-        self.optimizers.step()
-        for fn in self.post_optimizer_step_fns:
-            fn(self.model_parts, self.parallel_dims)
-        self.lr_schedulers.step()
+        if self.replicas is None or self.replicas.should_commit(self.train_state.step + 1):
+            self.optimizers.step()
+            for fn in self.post_optimizer_step_fns:
+                fn(self.model_parts, self.parallel_dims)
+            self.lr_schedulers.step()
         self.optimizers.zero_grad()
         return loss_sum, grad_norm, model_metrics
 
@@ -287,16 +305,24 @@ class Trainer:
         with profiler, contextlib.ExitStack() as cleanup:
             if preemption is not None:
                 cleanup.callback(preemption.close)
+            if self.world_size > 1 and cfg.comm.hang_timeout_seconds > 0:
+                watch = hang_watch.HangWatch(cfg.comm.hang_timeout_seconds, cfg.job.dump_folder, self.rank)
+                cleanup.callback(watch.close)
             while self.train_state.step < cfg.training.steps:
+                if self.replicas is not None and self.replicas.start_step():
+                    data_iter = iter(self.dataloader)  # healed: continue from the peer's data position
+                    first_step = self.train_state.step + 1
                 step = self.train_state.step + 1
                 if step % cfg.training.gc_freq == 0:
                     gc.collect(1)
                 t0 = time.perf_counter()
+                self.step_clock.start()
                 try:
                     microbatches = self._next_microbatches(data_iter)
                 except StopIteration as e:
                     raise TrainingError(f"the data ran out at step {step}") from e
                 data_time += time.perf_counter() - t0
+                self.step_clock.data_loaded()
                 loss, grad_norm, model_metrics = self.train_step(microbatches)
                 self.train_state.step = step
                 self.train_state.tokens_seen += tokens_per_step
@@ -306,6 +332,7 @@ class Trainer:
                     # window starts after it.
                     first_step_s = time.perf_counter() - window_start
                     window_start, window_tokens, data_time = time.perf_counter(), 0, 0.0
+                    self.step_clock.reset()
                 if not torch.isfinite(grad_norm):
                     raise TrainingError(
                         f"loss or gradients became non-finite at step {step} (local loss {loss.item():.4g}, "
@@ -325,6 +352,7 @@ class Trainer:
                             peak_flops=self.peak_flops,
                         )
                         speed["data_loading_pct"] = 100.0 * data_time / max(elapsed, 1e-9)
+                        speed.update(stragglers.report(self.step_clock, cfg.metrics.straggler_threshold, self.device))
                     metrics = {
                         "loss": global_loss.item(),
                         "grad_norm": grad_norm.item(),
@@ -346,6 +374,7 @@ class Trainer:
                 profiler.step(step)
                 if preemption is not None and not last and preemption.requested(self.device):
                     self.checkpointer.save(step, force=True)
+                    self.preempted = True
                     logger.warning(
                         f"Preempted (SIGTERM) at step {step}: its checkpoint is saved (completed before exit) in "
                         f"{self.checkpointer.root}; rerun the same command to resume"
@@ -357,6 +386,8 @@ class Trainer:
         gc.enable()
 
     def close(self) -> None:
+        if self.replicas is not None:
+            self.replicas.close()
         self.checkpointer.close()
         self.metrics.close()
         if dist.is_initialized():

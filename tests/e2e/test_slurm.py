@@ -87,7 +87,9 @@ def test_sbatch_script_trains_the_debug_model_on_two_nodes(tmp_path):
     assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), output
     assert "2 node(s) x 1 process(es)" in output, output
     assert (job["NumNodes"], job["NodeList"]) == ("2", "node[1-2]")
-    assert len(re.findall(r"max_restarts\s*: 1\n", output)) == 2, "each node's torchrun got the restart budget"
+    assert "max restarts 1" in output, output
+    # Restarts are the supervisor's (torchtitan.tools.restart); each node's torchrun makes one attempt.
+    assert len(re.findall(r"max_restarts\s*: 0\n", output)) == 2, output
     rank_logs = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "logs" / job_id) for f in files]
     assert any(p.endswith("stdout.log") for p in rank_logs), "torchrun keeps each rank's output under LOG_DIR/JOBID"
 

@@ -199,7 +199,8 @@ def test_async_save_snapshots_state_and_completes_after_the_write(tmp_path, gate
         model.weight.add_(1.0)  # training goes on while the write is in flight
     root = manager.root
     deadline = time.time() + 30
-    while not os.path.isdir(root) and time.time() < deadline:  # the writer thread creates the folder
+    partial = os.path.join(root, "step-1.partial")
+    while not os.path.isdir(partial) and time.time() < deadline:  # the writer thread creates the folder
         time.sleep(0.05)
     assert os.listdir(root) == ["step-1.partial"], "not complete before the write finished"
     gated_writes.set()

@@ -376,7 +376,12 @@ class CheckpointManager:
             self.last_blocking_s = time.perf_counter() - t0
             logger.info(f"Checkpoint {final}: staged in {self.last_blocking_s:.2f}s, writing in the background")
         else:
-            dcp.save(states, checkpoint_id=partial, no_dist=not dist.is_initialized())
+            try:
+                dcp.save(states, checkpoint_id=partial, no_dist=not dist.is_initialized())
+            except DCP_ERRORS as e:  # e.g. a full disk: this save fails, the complete checkpoints stay
+                raise CheckpointError(
+                    f"save of {final} failed: {type(e).__name__}: {_first_line(e)}; {partial} is left for inspection"
+                ) from e
             self._finish(partial, final, {**info, "mode": "sync"})
             self.last_blocking_s = time.perf_counter() - t0
 

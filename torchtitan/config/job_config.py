@@ -269,6 +269,10 @@ class Metrics:
     log_freq: int = 10
     """Log metrics every N steps."""
 
+    straggler_threshold: float = 0.2
+    """Warn when the slowest rank needs this fraction more time per step than the median rank to get its
+    gradients ready (measured per rank, gathered every log step; straggler/* in metrics.jsonl)."""
+
     enable_tensorboard: bool = False
     """Write TensorBoard scalars under `{dump_folder}/{save_tb_folder}`."""
 
@@ -351,6 +355,40 @@ class Comm:
     train_timeout_seconds: int = 100
     """Timeout for collectives once training has started."""
 
+    hang_timeout_seconds: float = 30.0
+    """Hang diagnosis (keep it well below train_timeout_seconds): when a rank has waited this long in a
+    collective that other ranks have not reached, it logs the collective (per-group sequence number and name)
+    and the ranks that have not arrived, and every rank dumps its Python stack to {dump_folder}/hang/rank-N.txt.
+    0 turns it off."""
+
+    trace_buf_size: int = 0
+    """CUDA: record the last N collectives per rank in NCCL's flight recorder and dump them to
+    {dump_folder}/comm_traces/rank_N when a collective times out (e.g. 20000). 0 = off."""
+
+
+@dataclass
+class FaultTolerance:
+    enable: bool = False
+    """Fault-tolerant data-parallel replica groups (torchft; see docs/reliability.md): each group is its own
+    torchrun job, gradients are averaged over the live groups every step, a group that dies is dropped without
+    stopping the others, and a (re)joining group copies the training state from a live peer. Needs
+    `pip install torchft==0.2.0` and a lighthouse (`torchft_lighthouse`) whose address is in TORCHFT_LIGHTHOUSE."""
+
+    replica_id: int = 0
+    """This group's index, 0..group_size-1 (it picks the group's share of the data)."""
+
+    group_size: int = 1
+    """How many replica groups the job has (the data is split among all of them)."""
+
+    min_replica_size: int = 1
+    """Steps are committed only while at least this many groups are in the quorum."""
+
+    timeout_seconds: float = 10.0
+    """Timeout of the collectives between groups: a dead group is noticed after at most this long."""
+
+    quorum_timeout_seconds: float = 60.0
+    """How long a group waits to form a quorum at the lighthouse."""
+
 
 @dataclass
 class Debug:
@@ -383,4 +421,5 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
     comm: Comm = field(default_factory=Comm)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     debug: Debug = field(default_factory=Debug)

@@ -1,0 +1,76 @@
+"""Deliberate faults for the fault-tolerance tests, read from the TORCHTITAN_FAULTS environment variable.
+
+    TORCHTITAN_FAULTS='[{"kind": "kill_rank", "step": 5, "rank": 1, "attempt": 0}, ...]'
+
+Each fault fires once, in the attempt it names (TORCHTITAN_ATTEMPT, set by tools/restart.py; every attempt
+when absent), on the rank it names (every rank when absent):
+
+    kill_rank      SIGKILL in the middle of `step` (after the backward, before the optimizer step)
+    kill_in_write  SIGKILL while this rank writes the checkpoint of `step` (its data written, not finished)
+    term_in_write  SIGTERM while this rank writes the checkpoint of `step`
+    disk_full      the write of the checkpoint of `step` fails with ENOSPC (a full disk)
+    sleep          sleep `seconds` in the middle of `step` (a hang or a straggler; every step when `step`
+                   is absent)
+
+Without the variable nothing is installed and `point` returns at once: the trainer may call it every step.
+"""
+
+import errno
+import json
+import os
+import signal
+import time
+
+_FAULTS: list[dict] = []
+KINDS = ("kill_rank", "kill_in_write", "term_in_write", "disk_full", "sleep")
+WRITE_KINDS = ("kill_in_write", "term_in_write", "disk_full")
+
+
+def install(rank: int) -> None:
+    """Arms this rank's faults of this attempt; hooks the checkpoint writer only when a write fault is armed."""
+    spec = os.environ.get("TORCHTITAN_FAULTS")
+    if not spec:
+        return
+    attempt = int(os.environ.get("TORCHTITAN_ATTEMPT", "0"))
+    faults = json.loads(spec)
+    for f in faults:
+        if f["kind"] not in KINDS:
+            raise ValueError(f"TORCHTITAN_FAULTS: unknown fault kind {f['kind']!r}; choose from {', '.join(KINDS)}")
+    _FAULTS[:] = [
+        f for f in faults if f.get("attempt", attempt) == attempt and f.get("rank", rank) == rank
+    ]
+    if any(f["kind"] in WRITE_KINDS for f in _FAULTS):
+        _hook_checkpoint_writer()
+
+
+def point(step: int) -> None:
+    """The mid-step fault point (the trainer calls it between the backward and the optimizer step)."""
+    if not _FAULTS:
+        return
+    for f in _FAULTS:
+        if f["kind"] == "kill_rank" and f["step"] == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if f["kind"] == "sleep" and f.get("step", step) == step:
+            time.sleep(f["seconds"])
+
+
+def _hook_checkpoint_writer() -> None:
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    real = FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        faults = [f for f in _FAULTS if f["kind"] in WRITE_KINDS and f"step-{f['step']}." in str(self.path)]
+        for f in faults:
+            if f["kind"] == "disk_full":
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+        result = real(self, plan, planner)
+        for f in faults:
+            if f["kind"] == "kill_in_write":
+                result.wait()  # this rank's data files are on disk; the checkpoint is not finished
+                os.kill(os.getpid(), signal.SIGKILL)
+            if f["kind"] == "term_in_write":
+                os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    FileSystemWriter.write_data = write_data

@@ -1,0 +1,134 @@
+"""Automatic restart: rerun a failed training command until it finishes, within a restart budget.
+
+    python -m torchtitan.tools.restart --max-restarts 3 [--same-failure-limit 3] -- torchrun ... -m torchtitan.train ...
+
+Each attempt is one run of the command (torchrun with its own --max-restarts 0). A restarted run resumes from
+the last complete checkpoint by itself (the trainer loads the newest complete `step-N` of its run folder), so
+no user action is needed. Between attempts the ranks' failures are compared: a job that fails the same way
+`same_failure_limit` times in a row stops with one line, since restarting cannot help it (a full disk, a
+deterministic crash); a job that fails differently (a killed rank, a lost node) is restarted until the budget
+is spent. A configuration error is never restarted.
+
+How a rank reports its failure: the supervisor sets TORCHTITAN_FAILURE_DIR per attempt and TORCHTITAN_ATTEMPT;
+`record_failure` (called by the entry point) writes one line per failing rank there. A rank that dies without
+a word (SIGKILL, a crash in C++) writes nothing, and its peers report the broken connection.
+
+SIGTERM or SIGINT to the supervisor (the scheduler stopping the job) is passed to the command and ends the
+loop: a preempted job is resubmitted by the scheduler, not restarted here.
+
+This module does not import torch: it starts in milliseconds and a launcher can call `run_with_restarts`.
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+FAILURE_DIR_ENV = "TORCHTITAN_FAILURE_DIR"
+ATTEMPT_ENV = "TORCHTITAN_ATTEMPT"
+SILENT_DEATH = "a rank died without reporting an error (killed by a signal or crashed) and none of its peers reported one"
+
+
+def record_failure(message: str, *, restartable: bool = True) -> None:
+    """Called by a failing rank: its one-line reason, for the supervisor to compare between attempts."""
+    folder = os.environ.get(FAILURE_DIR_ENV)
+    if not folder:
+        return
+    rank = os.environ.get("RANK", "0")
+    try:
+        with open(os.path.join(folder, f"rank-{rank}.json"), "w") as f:
+            json.dump({"rank": int(rank), "error": message, "restartable": restartable, "time": time.time()}, f)
+    except OSError:
+        pass  # reporting must never hide the failure itself
+
+
+@dataclass
+class Failure:
+    signature: str  # what the attempt died of: equal signatures mean "the same failure"
+    restartable: bool
+
+
+def read_failure(folder: str) -> Failure:
+    """The failure of one attempt: the earliest report (the first rank to fail is the cause; its peers then
+    report broken connections), or a silent death."""
+    reports = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        try:
+            with open(os.path.join(folder, name)) as f:
+                reports.append(json.load(f))
+        except (OSError, ValueError):
+            continue
+    if not reports:
+        return Failure(SILENT_DEATH, True)
+    first = min(reports, key=lambda r: (r["time"], r["rank"]))
+    return Failure(first["error"], all(r["restartable"] for r in reports))
+
+
+def run_with_restarts(cmd: list[str], max_restarts: int, same_failure_limit: int = 3, log=None) -> int:
+    """Runs `cmd` until it exits 0, restarting it at most `max_restarts` times; returns the exit code."""
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    stop = {"signal": None}
+    child: dict[str, subprocess.Popen | None] = {"proc": None}
+
+    def forward(signum, frame):
+        stop["signal"] = signum
+        if child["proc"] is not None and child["proc"].poll() is None:
+            child["proc"].send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    streak: list[str] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="torchtitan-failures-") as reports:
+            for attempt in range(max_restarts + 1):
+                folder = os.path.join(reports, f"attempt-{attempt}")
+                os.makedirs(folder)
+                env = {**os.environ, FAILURE_DIR_ENV: folder, ATTEMPT_ENV: str(attempt)}
+                child["proc"] = subprocess.Popen(cmd, env=env)
+                code = child["proc"].wait()
+                if code == 0 or stop["signal"] is not None:
+                    return code
+                failure = read_failure(folder)
+                if not failure.restartable:
+                    return code  # the rank said why on its own; a restart would say it again
+                streak = streak + [failure.signature] if streak[-1:] == [failure.signature] else [failure.signature]
+                if len(streak) >= same_failure_limit:
+                    log(f"error: the run failed the same way {len(streak)} times in a row, so it is not restarted "
+                        f"again: {failure.signature}; fix the cause, then rerun the same command to resume")
+                    return code
+                if attempt == max_restarts:
+                    log(f"error: the run failed {attempt + 1} times and its restart budget (--max-restarts "
+                        f"{max_restarts}) is spent; last failure: {failure.signature}")
+                    return code
+                log(f"restart: attempt {attempt} failed ({failure.signature}); restarting from the last complete "
+                    f"checkpoint ({max_restarts - attempt} restart(s) left)")
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m torchtitan.tools.restart",
+        description="Rerun a training command after a failure; the rerun resumes from the last complete checkpoint.",
+    )
+    parser.add_argument("--max-restarts", type=int, default=3, help="restarts allowed after the first attempt")
+    parser.add_argument("--same-failure-limit", type=int, default=3,
+                        help="stop when this many attempts in a row failed the same way")
+    parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command (e.g. torchrun ...)")
+    args = parser.parse_args(argv)
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        parser.error("no command given; put it after --")
+    if args.max_restarts < 0 or args.same_failure_limit < 1:
+        parser.error("--max-restarts must be >= 0 and --same-failure-limit >= 1")
+    return run_with_restarts(cmd, args.max_restarts, args.same_failure_limit)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
