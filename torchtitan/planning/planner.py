@@ -251,7 +251,7 @@ for the 128K stage) does not use it."""
 
 
 def enumerate_layouts(shape: ModelShape, devices: int, seq_len: int, global_batch_size: int, gpus_per_node: int,
-                      cp_min_seq_len: int = CP_MIN_SEQ_LEN, ac_modes: tuple[str, ...] = AC_MODES):
+                      cp_min_seq_len: int = CP_MIN_SEQ_LEN):
     """Every layout of `devices` ranks worth judging: tp within a node, powers of two for cp and pp,
     FSDP or HSDP over what is left, each AC mode, each batch split."""
     cps = (1, 2, 4, 8, 16, 32) if seq_len >= cp_min_seq_len else (1,)
@@ -266,7 +266,7 @@ def enumerate_layouts(shape: ModelShape, devices: int, seq_len: int, global_batc
                     dp_replicate = dp // dp_shard
                     if dp_replicate > 1 and dp_shard * cp * tp < gpus_per_node:
                         continue  # HSDP replicates across nodes; a shard group smaller than a node is not worth it
-                    for ac in ac_modes:
+                    for ac in AC_MODES:
                         if pp == 1:
                             for lbs in _divisors(per_replica):
                                 yield Layout(dp_replicate, dp_shard, cp, tp, pp, ac, lbs, 1, "", per_replica // lbs)
@@ -284,11 +284,10 @@ def enumerate_layouts(shape: ModelShape, devices: int, seq_len: int, global_batc
 
 def plan_layouts(shape: ModelShape, device: Device, devices: int, seq_len: int, global_batch_size: int,
                  mfu: float = DEFAULT_MFU, cp_min_seq_len: int = CP_MIN_SEQ_LEN,
-                 network: Network = FLAT_NETWORK, ac_modes: tuple[str, ...] = AC_MODES) -> PlanResult:
-    """Every layout enumerate_layouts yields (with AC restricted to `ac_modes`), judged and ranked."""
+                 network: Network = FLAT_NETWORK) -> PlanResult:
+    """Every layout enumerate_layouts yields, judged and ranked."""
     ranked, dropped = [], {"does not divide / invalid pipeline": 0, "does not fit memory": 0}
-    for layout in enumerate_layouts(shape, devices, seq_len, global_batch_size, device.gpus_per_node, cp_min_seq_len,
-                                    ac_modes):
+    for layout in enumerate_layouts(shape, devices, seq_len, global_batch_size, device.gpus_per_node, cp_min_seq_len):
         try:
             ranked.append(evaluate(shape, layout, device, devices, seq_len, global_batch_size, mfu, network))
         except LayoutError:

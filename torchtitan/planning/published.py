@@ -33,8 +33,6 @@ class Published:
     cp: int
     tokens_per_s: float
     """Reported tokens/s/GPU, or FLOP/s/GPU converted with this model's flops_per_token."""
-    ac: str
-    """The run's AC mode (none | op | full; "" = not stated)."""
     source: str
     device: str = "H100-80GB"
     network: Network = FLAT_NETWORK
@@ -51,16 +49,16 @@ class Published:
 _TT = "torchtitan paper (arXiv 2410.06511) = torchtitan docs/performance.md"
 _405B = ModelShape(16384, 53248, 1024, 128, 128256, 126)
 PUBLISHED = (
-    Published("Llama 3.1 8B, 8 H100", "8B", 8, 8192, 16, 1, 1, 1, 5762, "op",
+    Published("Llama 3.1 8B, 8 H100", "8B", 8, 8192, 16, 1, 1, 1, 5762,
               f"{_TT} Table 1: FSDP 8, local batch 2, global 16, selective (op) AC, bf16, no compile",
               "H100-96GB"),
-    Published("Llama 3.1 70B, 256 H100", "70B", 256, 8192, 512, 8, 1, 1, 829, "full",
+    Published("Llama 3.1 70B, 256 H100", "70B", 256, 8192, 512, 8, 1, 1, 829,
               f"{_TT} Table 4: FSDP 32 x TP 8, local batch 16, global 512, full AC, compile + Float8", "H100-96GB"),
-    Published("Llama 3.1 405B, 512 H100", "405B", 512, 8192, 256, 8, 8, 1, 100, "full",
+    Published("Llama 3.1 405B, 512 H100", "405B", 512, 8192, 256, 8, 8, 1, 100,
               f"{_TT} Table 5: FSDP 8 x TP 8 x PP 8, local batch 32, global 256, full AC, 1F1B, compile + Float8 "
               "+ async TP (Interleaved 1F1B: 128)", "H100-96GB"),
     Published("Llama 3 405B, 16K H100", "405B", 16384, 8192, 2048, 8, 16, 1,
-              400e12 / flops_per_token(_405B, 8192), "",
+              400e12 / flops_per_token(_405B, 8192),
               "Llama 3 paper (arXiv 2407.21783) Table 4: 400 TFLOP/s/GPU (38% MFU) at TP 8, CP 1, PP 16, DP 128, "
               "8K sequences, 16M tokens (2,048 sequences) per batch; converted with flops_per_token",
               "H100-80GB", LLAMA3_RDMA_CLUSTER),
