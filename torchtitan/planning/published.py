@@ -7,6 +7,7 @@ global batch) and asks for the degrees; the AC mode, batch split and schedule st
 
 import dataclasses
 
+from torchtitan.distributed.parallel_dims import LayoutError
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.planning.hardware import FLAT_NETWORK, LLAMA3_RDMA_CLUSTER, Network, get_device
 from torchtitan.planning.memory import ModelShape
@@ -91,22 +92,13 @@ def compare(case: Published) -> Comparison:
     elif gap < TIE:
         reason = f"a tie: {100 * gap:.1f}% slower than #1, below what the model resolves ({100 * TIE:.0f}%)"
     else:
-        reason = _why_slower(case, shape, device, result, best, ours)
+        reason = _why_slower(case, shape, device, best, ours)
     return Comparison(case, result, rank, gap, reason)
 
 
-def _why_slower(case, shape, device, result: PlanResult, best: Candidate, ours: Candidate) -> str:
-    """Name the AC mode when that is what separates the two: no layout with the published degrees fits
-    the AC mode of the planner's first choice, and the recomputation that forces is the gap."""
-    if not any(case.matches(c) and c.layout.ac == best.layout.ac for c in result.ranked):
-        try:
-            evaluate(shape, dataclasses.replace(ours.layout, ac=best.layout.ac), device, case.devices,
-                     case.seq_len, case.global_batch_size, network=case.network)
-            example = ""
-        except MemoryError as e:
-            example = f" (this layout with it: {e})"
-        return (f"no layout with the published degrees fits AC {best.layout.ac}{example}; they need AC "
-                f"{ours.layout.ac}, whose recomputation #1 avoids at pp {best.layout.pp} x tp {best.layout.tp}")
+def _why_slower(case, shape, device, best: Candidate, ours: Candidate) -> str:
+    """The step-time terms that separate the published degrees' best layout from #1, and (under PP) the
+    memory limit that keeps those degrees from the finer interleaving that would shrink their bubble."""
     why = (f"{100 * (ours.time.total / best.time.total - 1):.0f}% slower than #1 "
            f"({best.layout.describe()}); seconds per step, published degrees vs #1: {time_diff(ours, best)}")
     if ours.layout.pp > 1:  # finer interleaving would shrink the bubble: say why the planner did not take it
@@ -117,7 +109,7 @@ def _why_slower(case, shape, device, result: PlanResult, best: Candidate, ours: 
                 evaluate(shape, finer, device, case.devices, case.seq_len, case.global_batch_size, network=case.network)
             except MemoryError as e:
                 tight.append(f"{lps} layers per stage: {e}")
-            except Exception:  # noqa: BLE001 - a split the pipeline planner rejects is no option either
+            except LayoutError:  # a split the pipeline planner rejects is no option either
                 pass
         if tight:
             why += f"; with finer interleaving (a smaller bubble) these degrees do not fit ({'; '.join(tight)})"
