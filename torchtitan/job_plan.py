@@ -8,6 +8,7 @@ checkpointing, the model converters (Float8) and the pipeline plan.
 """
 
 import dataclasses
+import inspect
 
 import torch
 import torch.nn as nn
@@ -73,6 +74,7 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
     model.to(DTYPES[t.dtype])
     converters = build_model_converters(cfg, pd, torch.device(device_type))
     converters.convert(model)
+    _check_model_inputs(cfg, model)
 
     pipeline_plan = None
     if pd.pp_enabled:
@@ -90,3 +92,19 @@ def _check_device_features(cfg: JobConfig, device_type: str) -> None:
         raise ValueError("--training.enable_cpu_offload moves GPU memory to the host: it needs CUDA devices")
     if cfg.profiling.enable_memory_snapshot:
         raise ValueError("--profiling.enable_memory_snapshot records the CUDA caching allocator: it needs CUDA devices")
+
+
+def _check_model_inputs(cfg: JobConfig, model: nn.Module) -> None:
+    """Batch inputs beyond tokens that the data options add must be keyword inputs of the model's forward."""
+    t = cfg.training
+    wanted = {"document_ids": "--training.document_masking", "positions": "--training.document_positions"}
+    asked = [name for name, flag in wanted.items() if getattr(t, flag.rsplit(".", 1)[1])]
+    params = inspect.signature(model.forward).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    missing = [name for name in asked if name not in params and not takes_any]
+    if missing:
+        raise ValueError(
+            f"{wanted[missing[0]]} feeds `{missing[0]}` to the model, but model {cfg.model.name!r} does not take "
+            f"that input (its forward has no `{missing[0]}` parameter); turn the option off or use a model that "
+            f"supports it (e.g. llama3)"
+        )

@@ -4,6 +4,7 @@
 #   2. a short debug-model run on cuda+nccl with bf16, compile and an async pinned-memory checkpoint, and one
 #      with document masking (FlexAttention) under compile
 #   3. bf16 vs Float8 throughput and MFU on an 8B-shaped model cut to fit (scripts/gpu/bench_float8.py)
+#   4. MoE: grouped GEMM vs the per-expert loop (scripts/gpu/bench_moe.py); EP over NCCL with >= 2 GPUs
 # Usage (repo root):  OUT=/tmp/out bash scripts/gpu/run_checks.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -27,3 +28,11 @@ NGPU=1 ./run_train.sh --job.dump_folder "$OUT/doc_masking_cuda" --training.steps
 "$PYTHON" scripts/gpu/bench_float8.py --layers 4 --seq-len 8192 --steps 30 2>&1 | tail -12 | tee "$OUT/float8.txt"
 
 "$PYTHON" scripts/gpu/check_memory_estimate.py --layers 4 --seq-len 8192 2>&1 | tail -8 | tee "$OUT/memory_estimate.txt"
+
+# MoE: grouped GEMM vs the per-expert loop; expert parallel over NCCL when there are >= 2 GPUs.
+"$PYTHON" scripts/gpu/bench_moe.py 2>&1 | tail -8 | tee "$OUT/moe_grouped_gemm.txt"
+NGPUS=$(nvidia-smi -L | wc -l)
+if [ "$NGPUS" -ge 2 ]; then
+    "$PYTHON" scripts/bench_moe.py --ngpu "$NGPUS" --ep "$NGPUS" --extra --training.mixed_precision_param=bfloat16 \
+        2>&1 | tail -6 | tee "$OUT/moe_ep_nccl.txt"
+fi

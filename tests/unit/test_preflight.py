@@ -24,6 +24,7 @@ REJECTED = {
     "validation batch vs microbatches": (2, PP2 + ["--validation.enable", "--validation.local_batch_size", "3"], "--validation.local_batch_size 3 must be a multiple"),
     "zero bubble with reshard always": (4, PP2 + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--parallelism.fsdp_reshard_after_forward", "always"], "cannot run with --parallelism.fsdp_reshard_after_forward always"),
     "explicit split misses a layer": (2, PP2 + ["--parallelism.module_fqns_per_model_part", "tok_embeddings,layers.0;layers.1,norm,output"], "module_fqns_per_model_part"),
+    "document masking on a model without it": (1, ["--model.name", "qwen3", "--model.flavor", "debugmodel_tiny", "--training.document_masking"], "does not take that input"),
     "unknown schedule": (2, PP2 + ["--parallelism.pipeline_parallel_schedule", "OneFOneB"], "unknown pipeline schedule"),
 }
 

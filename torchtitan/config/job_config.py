@@ -173,6 +173,12 @@ class Parallelism:
     tensor_parallel_degree: int = 1
     """Tensor parallel degree (with sequence parallel on norms)."""
 
+    expert_parallel_degree: int = 1
+    """Ranks the routed experts of MoE models are split over (the "ep" mesh dimension), with all-to-all token
+    dispatch. Taken from the ranks that hold different tokens (data_parallel_shard x context_parallel x
+    tensor_parallel), so it must divide their product and be a multiple of context_parallel x
+    tensor_parallel; FSDP shards the experts over the remaining shard ranks and the dense parts over all."""
+
     disable_loss_parallel: bool = False
     """Gather the logits instead of computing cross entropy on vocab shards under tensor parallel."""
 

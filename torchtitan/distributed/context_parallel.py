@@ -428,7 +428,12 @@ class ContextParallelAttention(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return ring_attention(q, k, v, self.cp_group, self.rotate_method, document_ids)
+        # The ring passes k and v as one stacked tensor: a narrower v (MLA's value heads) is zero-padded to
+        # k's head dim, which adds zero columns to the output, then sliced off.
+        v_dim = v.shape[-1]
+        if v_dim < k.shape[-1]:
+            v = torch.nn.functional.pad(v, (0, k.shape[-1] - v_dim))
+        return ring_attention(q, k, v, self.cp_group, self.rotate_method, document_ids)[..., :v_dim]
 
     def extra_repr(self) -> str:
         return f"rotate_method={self.rotate_method!r}"

@@ -7,6 +7,8 @@ Gradients are SUMMED across data-parallel ranks (divide factor 1): the trainer a
 rank's loss by the token count of the whole global batch, so a sum is the global mean.
 """
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,11 +36,18 @@ def apply_fsdp(
     reshard_after_forward: str = "default",
     cpu_offload: bool = False,
     pp_enabled: bool = False,
+    expert_modules: Sequence[nn.Module] = (),
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
-    """Shards each transformer block, the embedding, and norm+output as separate FSDP groups, then the root.
+    """Shards each transformer block, the embedding, and norm+output as separate FSDP groups, then the root
+    (the embedding joins the norm+output group when it shares its weight with the output).
 
     dp_mesh is 1-D for FSDP and 2-D (replicate, shard) for HSDP. The model must expose `layers` (a
     ModuleDict) and may have `tok_embeddings`, `norm`, `output` (absent on pipeline stages).
+
+    Under expert parallel, `expert_modules` (already split over ep) are their own FSDP groups over
+    `expert_mesh` (the ranks sharing the same experts), or left out of FSDP when that is None: their
+    gradients are then complete on their ep rank (see distributed/expert_parallel.py).
     """
     kw = dict(
         mesh=dp_mesh,
@@ -47,13 +56,24 @@ def apply_fsdp(
     )
     if kw["offload_policy"] is None:
         del kw["offload_policy"]
+    if expert_modules and expert_mesh is not None:
+        for experts in expert_modules:
+            fully_shard(experts, **{**kw, "mesh": expert_mesh},
+                        reshard_after_forward=_reshard_policy(reshard_after_forward, False, pp_enabled))
+    elif expert_modules:
+        kw["ignored_params"] = {p for experts in expert_modules for p in experts.parameters()}
     layers = list(model.layers.values())
-    if getattr(model, "tok_embeddings", None) is not None:
-        fully_shard(model.tok_embeddings, **kw, reshard_after_forward=_reshard_policy(reshard_after_forward, False, pp_enabled))
+    head = getattr(model, "tok_embeddings", None)
+    tail = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
+    if head is not None and _share_a_parameter(head, tail):
+        # Tied input/output embeddings are one parameter, which one FSDP group must own (FSDP refuses a parameter
+        # shared across groups at the first forward). The group lives from the embedding to the output.
+        tail, head = [head, *tail], None
+    if head is not None:
+        fully_shard(head, **kw, reshard_after_forward=_reshard_policy(reshard_after_forward, False, pp_enabled))
     for i, block in enumerate(layers):
         last = i == len(layers) - 1 and getattr(model, "output", None) is None
         fully_shard(block, **kw, reshard_after_forward=_reshard_policy(reshard_after_forward, last, pp_enabled))
-    tail = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
     if tail:
         fully_shard(tail, **kw, reshard_after_forward=_reshard_policy(reshard_after_forward, True, pp_enabled))
     fully_shard(model, **kw, reshard_after_forward=_reshard_policy(reshard_after_forward, True, pp_enabled))
@@ -63,3 +83,8 @@ def apply_fsdp(
             # Plain SUM collectives: gloo has no PREMUL_SUM, and NCCL's zero-copy path needs SUM too.
             m.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _share_a_parameter(module: nn.Module, others: list[nn.Module]) -> bool:
+    mine = {id(p) for p in module.parameters()}
+    return any(id(p) in mine for m in others for p in m.parameters())

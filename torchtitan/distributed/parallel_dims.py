@@ -6,6 +6,13 @@ Flattened views the trainer uses:
   dp          = dp_replicate x dp_shard        data loading: ranks that see different samples
   dp_shard_cp = dp_shard x cp                  FSDP shards parameters over these
   dp_cp       = dp_replicate x dp_shard x cp   loss and token-count reduction
+  batch       = every dimension but pp         ranks that route different tokens (MoE load sums)
+
+Expert parallel (ep > 1) borrows its ranks from those holding different tokens, as upstream torchtitan
+does: dp_shard is split into dp_shard_mod_ep (outer) x dp_shard_in_ep (inner), and
+  ep          = dp_shard_in_ep x cp x tp       the routed experts are split over these (all-to-all)
+  dp_shard_mod_ep (x dp_replicate)             FSDP shards each rank's experts over these
+The dense parameters are still sharded over dp_shard_cp (= dp_shard_mod_ep x dp_shard_in_ep x cp).
 """
 
 import warnings
@@ -26,6 +33,7 @@ _DEGREE_NAMES = {
     "cp": "context_parallel_degree",
     "tp": "tensor_parallel_degree",
     "pp": "pipeline_parallel_degree",
+    "ep": "expert_parallel_degree",
 }
 
 
@@ -41,6 +49,7 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    ep: int = 1
     _mesh: DeviceMesh | None = field(default=None, repr=False)
     _flat: dict = field(default_factory=dict, repr=False)
 
@@ -66,6 +75,16 @@ class ParallelDims:
                 f"parallel degrees multiply to {product} (replicate {self.dp_replicate} x shard {self.dp_shard} "
                 f"x cp {self.cp} x tp {self.tp} x pp {self.pp}) but the world size is {self.world_size}; "
                 f"set --parallelism.data_parallel_shard_degree -1 to use the ranks left over"
+            )
+        if self.ep < 1:
+            raise LayoutError(f"--parallelism.expert_parallel_degree {self.ep} must be >= 1")
+        token_ranks = self.dp_shard * self.cp * self.tp
+        if self.ep > 1 and (self.ep % (self.cp * self.tp) or token_ranks % self.ep):
+            fits = [d for d in _divisors(token_ranks) if d % (self.cp * self.tp) == 0 and d > 1]
+            raise LayoutError(
+                f"expert_parallel_degree {self.ep} must divide data_parallel_shard x context_parallel x "
+                f"tensor_parallel = {token_ranks} and be a multiple of context_parallel x tensor_parallel = "
+                f"{self.cp * self.tp}; degrees that fit: {fits}"
             )
 
     # ---- derived degrees -------------------------------------------------------------------------------
@@ -94,10 +113,34 @@ class ParallelDims:
     def cp_enabled(self) -> bool:
         return self.cp > 1
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def dp_shard_in_ep(self) -> int:
+        return self.ep // (self.cp * self.tp) if self.ep > 1 else 1
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        return self.dp_shard // self.dp_shard_in_ep
+
     # ---- validation against the model and data -----------------------------------------------------------
     def check_model(self, divisible_by: dict[str, dict[str, int]]) -> None:
         """The model's shapes that a parallel degree splits must divide by it: `divisible_by` maps a mesh
-        dimension (e.g. "tp") to {field: value} (the model args' `divisible_by()`)."""
+        dimension (e.g. "tp") to {field: value} (the model args' `divisible_by()`). A model that declares
+        "ep" has routed experts: under tensor parallel the tp ranks route different tokens (sequence
+        parallel), so the experts must be split over them (ep a multiple of tp; no TP inside experts)."""
+        if self.ep > 1 and "ep" not in divisible_by:
+            raise LayoutError(
+                f"expert_parallel_degree {self.ep} needs a model with routed experts (e.g. deepseek_v3); this "
+                f"model has none: set --parallelism.expert_parallel_degree 1"
+            )
+        if "ep" in divisible_by and self.tp > 1 and self.ep == 1:
+            raise LayoutError(
+                f"an MoE model under tensor_parallel_degree {self.tp} needs expert_parallel_degree a multiple of "
+                f"it (experts are split over the tp ranks' tokens), e.g. --parallelism.expert_parallel_degree {self.tp}"
+            )
         for dim, shape in divisible_by.items():
             degree = getattr(self, dim)
             if degree <= 1:
@@ -139,27 +182,46 @@ class ParallelDims:
         "dp": ("dp_replicate", "dp_shard"),
         "dp_shard_cp": ("dp_shard", "cp"),
         "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+        "batch": ("dp_replicate", "dp_shard", "cp", "tp"),
     }
+    # With expert parallel, dp_shard is two mesh dimensions (see the module docstring).
+    _FLAT_EP = {
+        "dp": ("dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep"),
+        "dp_shard_cp": ("dp_shard_mod_ep", "dp_shard_in_ep", "cp"),
+        "dp_cp": ("dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp"),
+        "batch": ("dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp"),
+        "ep": ("dp_shard_in_ep", "cp", "tp"),
+    }
+
+    def _dims(self) -> dict[str, tuple[int, bool]]:
+        """Mesh dimension -> (size, whether the mesh holds it), outermost first."""
+        shard = {"dp_shard": (self.dp_shard, self.dp_shard > 1 or self.dp_replicate > 1)}
+        if self.ep > 1:
+            shard = {
+                "dp_shard_mod_ep": (self.dp_shard_mod_ep, self.dp_shard_mod_ep > 1 or self.dp_replicate > 1),
+                "dp_shard_in_ep": (self.dp_shard_in_ep, self.dp_shard_in_ep > 1),
+            }
+        return {
+            "pp": (self.pp, self.pp > 1),
+            "dp_replicate": (self.dp_replicate, self.dp_replicate > 1),
+            **shard,
+            "cp": (self.cp, self.cp > 1),
+            "tp": (self.tp, self.tp > 1),
+        }
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """One world mesh over the dimensions in use, plus the flattened views.
 
         dp_shard stays in the mesh (possibly of size 1) whenever dp_replicate is used, so that HSDP and
         replicate-only data parallel both get a 2-D (replicate, shard) mesh."""
-        use = {
-            "pp": self.pp > 1,
-            "dp_replicate": self.dp_replicate > 1,
-            "dp_shard": self.dp_shard > 1 or self.dp_replicate > 1,
-            "cp": self.cp > 1,
-            "tp": self.tp > 1,
-        }
-        names = tuple(n for n, on in use.items() if on) or ("dp_shard",)
-        shape = tuple(getattr(self, n) for n in names)
+        dims = self._dims()
+        names = tuple(n for n, (_, on) in dims.items() if on) or ("dp_shard",)
+        shape = tuple(dims[n][0] if n in dims else self.dp_shard for n in names)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
             self._flat = {}
-            for flat, parts in self._FLAT.items():
+            for flat, parts in (self._FLAT_EP if self.ep > 1 else self._FLAT).items():
                 present = tuple(p for p in parts if p in names)
                 if present:
                     self._flat[flat] = mesh[present]._flatten(flat)
@@ -175,7 +237,8 @@ class ParallelDims:
     def submesh(self, name: str) -> DeviceMesh | None:
         """The mesh of a named or flattened dimension; None when its degree is 1 (nothing to communicate)."""
         mesh = self.world_mesh
-        m = self._flat.get(name) if name in self._FLAT else (mesh[name] if name in mesh.mesh_dim_names else None)
+        flat = self._FLAT_EP if self.ep > 1 else self._FLAT
+        m = self._flat.get(name) if name in flat else (mesh[name] if name in mesh.mesh_dim_names else None)
         return m if m is not None and m.size() > 1 else None
 
     def fsdp_mesh(self) -> DeviceMesh | None:
@@ -186,6 +249,15 @@ class ParallelDims:
                 warnings.simplefilter("ignore", UserWarning)
                 return self.world_mesh[("dp_replicate", "dp_shard_cp")]
         return self.submesh("dp_shard_cp")
+
+    def expert_fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP2 shards each rank's routed experts over under expert parallel: dp_shard_mod_ep
+        (2-D with dp_replicate for HSDP); None when no rank shares this rank's experts."""
+        if self.dp_replicate > 1:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                return self.world_mesh[("dp_replicate", "dp_shard_mod_ep")]
+        return self.submesh("dp_shard_mod_ep")
 
     def coordinate(self, name: str) -> tuple[int, int]:
         """(rank within, size of) a named or flattened dimension; (0, 1) when the dimension is absent."""
@@ -201,6 +273,7 @@ def parallel_dims_from_config(p, world_size: int) -> ParallelDims:
         tp=p.tensor_parallel_degree,
         pp=p.pipeline_parallel_degree,
         world_size=world_size,
+        ep=p.expert_parallel_degree,
     )
 
 

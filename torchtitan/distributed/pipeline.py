@@ -44,7 +44,7 @@ from torch.distributed.pipelining.schedules import (
 from torchtitan.components.loss import loss_value
 from torchtitan.distributed.parallel_dims import LayoutError
 from torchtitan.planning.balance import InfeasibleSplit, balanced_split, module_flops
-from torchtitan.protocols.model import split_inputs
+from torchtitan.protocols.model import shape_only_forward, split_inputs
 
 # Schedules by how many stages each rank holds and where they sit.
 SINGLE_STAGE = ("GPipe", "1F1B")
@@ -268,6 +268,15 @@ def split_stage(model: nn.Module, keep: Sequence[str], head: Sequence[str], tail
     return stage
 
 
+class _Stage(PipelineStage):
+    """A PipelineStage whose shape-inference forward (run on the first microbatch or placeholder data) is
+    marked as such, so the model skips side effects there (see protocols.model.shape_only_forward)."""
+
+    def _compute_outputs(self, *args, module, **kwargs):
+        with shape_only_forward():
+            return super()._compute_outputs(*args, module=module, **kwargs)
+
+
 class _DivisorLoss:
     """The schedule's loss: the model's summed token loss over a divisor that `Pipeline` sets for the
     duration of one schedule call (torch's schedules take the loss function once, at construction)."""
@@ -393,7 +402,7 @@ def pipeline_model(
         parts.append(part)
         # No example inputs: the stages infer activation shapes from the first microbatch (and again when
         # switching between training and validation), including sequence-sharded hidden states under TP.
-        stages.append(PipelineStage(part, s, plan.num_stages, device, group=pp_mesh.get_group()))
+        stages.append(_Stage(part, s, plan.num_stages, device, group=pp_mesh.get_group()))
     loss = _DivisorLoss(loss_fn)
     return Pipeline(plan, build_schedule(plan, stages, loss), parts, loss, pp_mesh.get_group())
 

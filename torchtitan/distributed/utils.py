@@ -62,16 +62,25 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clips gradients by their true global norm and returns that norm (before clipping).
 
-    Under FSDP/TP the gradients are DTensors; their norm is reduced over every mesh dimension they span by
-    `full_tensor()`. Pipeline stages hold disjoint parameters, so their squared norms are summed across the
-    pipeline group. max_norm <= 0 only measures.
+    Under FSDP/TP/EP the gradients are DTensors; each group living on one mesh has its norm reduced over
+    that mesh by `full_tensor()`, so every shard counts once: dense parameters over dp_shard_cp (x tp),
+    routed experts over their own ep (x dp_shard_mod_ep) mesh. Pipeline stages hold disjoint parameters, so
+    their norms are combined across the pipeline group. max_norm <= 0 only measures.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
-    norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite=False, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    by_mesh: dict = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = []
+    for group in by_mesh.values():
+        n = torch.nn.utils.get_total_norm(group, norm_type, error_if_nonfinite=False, foreach=True)
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    if math.isinf(norm_type):
+        norm = torch.stack(norms).max()
+    else:
+        norm = (torch.stack(norms) ** norm_type).sum() ** (1.0 / norm_type)
     if pp_group is not None:
         if math.isinf(norm_type):
             dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=pp_group)

@@ -2,7 +2,8 @@
 
 A model:
 - is built from its args on the meta device (`model_cls(args)`), then materialised with `to_empty` and
-  `init_weights(buffer_device=...)`, which also rebuilds derived buffers (e.g. RoPE tables);
+  `init_weights(buffer_device=...)`, which also rebuilds derived buffers (e.g. RoPE tables) and re-ties
+  shared parameters (tied embeddings: `to_empty` unties them);
 - keeps its repeated blocks in `layers`, an `nn.ModuleDict` keyed by the block's original index, so a
   pipeline stage that deletes blocks keeps the parameter names of the whole model;
 - names the modules before and after the blocks in `pipeline_head` / `pipeline_tail` (e.g. the embedding;
@@ -16,6 +17,8 @@ Its args (a dataclass deriving from `BaseModelArgs`) own the FLOP count, the fie
 must divide, and how a job's settings (tokenizer vocabulary, sequence length) resize them.
 """
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -35,6 +38,24 @@ class ModelOutput:
     metrics: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     """Values to log (e.g. per-expert load), detached; averaged over the step's microbatches and over the
     data-parallel ranks when logged. Vectors are logged element-wise as name/i."""
+
+
+_SHAPE_ONLY = contextvars.ContextVar("shape_only_forward", default=False)
+
+
+@contextlib.contextmanager
+def shape_only_forward():
+    """Marks forward calls made only to learn activation shapes (a pipeline stage's metadata inference,
+    on placeholder data): a model skips its side effects there, e.g. an MoE layer's load counting."""
+    token = _SHAPE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _SHAPE_ONLY.reset(token)
+
+
+def is_shape_only_forward() -> bool:
+    return _SHAPE_ONLY.get()
 
 
 def as_model_output(out: torch.Tensor | ModelOutput) -> ModelOutput:

@@ -1,0 +1,88 @@
+"""DeepSeek-V3 equals Hugging Face's DeepseekV3ForCausalLM on the same random weights, both directions.
+
+Ours -> HF: our model's weights written as an HF folder (save_hf) and loaded by transformers. HF -> ours:
+a transformers model's save_pretrained folder read by load_hf. Logits must agree within 1e-5 (fp32) on
+positions past the original context, so YaRN's frequency ramp and attention temperature are exercised,
+with compressed and direct queries, group-limited sigmoid routing, a non-zero balancing bias and a dense
+first layer. transformers is a test-only reference (the `test` extra).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs  # noqa: E402
+from torchtitan.models.deepseek_v3.model import DeepSeekV3Model  # noqa: E402
+from torchtitan.models.deepseek_v3.state_dict_adapter import FP8_MESSAGE, DeepSeekV3StateDictAdapter  # noqa: E402
+from torchtitan.components.moe import MoEArgs  # noqa: E402
+
+ARGS = DeepSeekV3ModelArgs(
+    vocab_size=96, dim=32, inter_dim=48, n_layers=3, n_dense_layers=1, n_heads=4,
+    moe=MoEArgs(num_experts=8, num_shared_experts=1, hidden_dim=16, top_k=3, score_func="sigmoid",
+                route_norm=True, route_scale=2.5, n_groups=4, topk_groups=2),
+    q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+    max_seq_len=128, rope_theta=10000.0, rope_factor=4.0, original_seq_len=16, mscale=1.0, mscale_all_dim=1.0,
+)
+VARIANTS = {"compressed_q": ARGS, "direct_q": dataclasses.replace(ARGS, q_lora_rank=0)}
+TOKENS = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(0))
+
+
+def _hf_logits(folder) -> torch.Tensor:
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+def _our_model(args) -> DeepSeekV3Model:
+    model = DeepSeekV3Model(args)
+    model.init_weights()
+    return model.eval()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_ours_to_hf_logits(variant, tmp_path):
+    torch.manual_seed(0)
+    model = _our_model(VARIANTS[variant])
+    with torch.no_grad():
+        for block in list(model.layers.values())[1:]:
+            block.moe.expert_bias.copy_(torch.randn(8) * 0.1)
+        ours = model(TOKENS).logits
+    DeepSeekV3StateDictAdapter.save_hf(model.state_dict(), VARIANTS[variant], str(tmp_path), dtype=torch.float32)
+    torch.testing.assert_close(_hf_logits(str(tmp_path)), ours, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_hf_to_ours_logits(variant, tmp_path):
+    torch.manual_seed(1)
+    config = transformers.DeepseekV3Config(**{
+        k: v for k, v in DeepSeekV3StateDictAdapter.to_hf_config(VARIANTS[variant], torch.float32).items()
+        if k not in ("architectures", "model_type", "torch_dtype")
+    })
+    hf = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, buf in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.1)
+        for name, p in hf.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))  # HF initialises norms to ones: make them count
+        expected = hf(TOKENS).logits
+    hf.save_pretrained(str(tmp_path))
+    state, args = DeepSeekV3StateDictAdapter.load_hf(str(tmp_path))
+    assert args == VARIANTS[variant]
+    model = _our_model(args)
+    model.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_checkpoint_refused_in_one_line():
+    with pytest.raises(ValueError, match="fp8 block-quantised"):
+        DeepSeekV3StateDictAdapter.from_hf_config({**DeepSeekV3StateDictAdapter.to_hf_config(ARGS),
+                                                   "quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(ValueError, match="dequantise"):
+        DeepSeekV3StateDictAdapter(ARGS).from_hf({"model.layers.0.mlp.gate_proj.weight_scale_inv": torch.ones(1)})
+    assert "\n" not in FP8_MESSAGE

@@ -1,0 +1,67 @@
+"""The shape and routing of one MoE layer."""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+@dataclass
+class MoEArgs:
+    num_experts: int = 8
+    """Routed experts."""
+    num_shared_experts: int = 1
+    """Shared experts every token goes through, fused into one SwiGLU of num_shared_experts x hidden_dim."""
+    hidden_dim: int = 128
+    """SwiGLU hidden size of each expert."""
+    top_k: int = 2
+    """Routed experts per token."""
+    score_func: Literal["softmax", "sigmoid"] = "sigmoid"
+    """Router scores: softmax over experts (DeepSeek-V2, Qwen3-MoE) or per-expert sigmoid (DeepSeek-V3)."""
+    route_norm: bool = True
+    """Renormalise each token's top-k scores to sum to 1 before scaling."""
+    route_scale: float = 1.0
+    """Multiplier of the routed weights (DeepSeek-V3: 2.5)."""
+    n_groups: int = 1
+    """Group-limited routing: experts form n_groups groups; a token may only pick experts from its
+    topk_groups best groups (DeepSeek-V3: 8 groups, 4 of them)."""
+    topk_groups: int = 1
+    load_balance_coeff: float = 1e-3
+    """Auxiliary-loss-free balancing: after each optimizer step every expert's routing bias moves by this
+    much towards the mean load (up when under-loaded, down when over-loaded); 0 turns it off."""
+    aux_loss_alpha: float = 0.0
+    """Weight of the sequence-wise balance loss (DeepSeek-V3: 1e-4); 0 turns it off."""
+
+    def check(self) -> None:
+        if self.score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"score_func must be softmax or sigmoid, got {self.score_func!r}")
+        if self.num_experts % self.n_groups:
+            raise ValueError(f"n_groups {self.n_groups} must divide num_experts {self.num_experts}")
+        if not 1 <= self.topk_groups <= self.n_groups:
+            raise ValueError(f"topk_groups {self.topk_groups} must be in 1..n_groups {self.n_groups}")
+        if not 1 <= self.top_k <= self.num_experts // self.n_groups * self.topk_groups:
+            raise ValueError(f"top_k {self.top_k} must be in 1..experts in the chosen groups")
+
+
+@dataclass
+class MoEConfig:
+    """The `moe` config section of MoE models (--moe.*): how routing is balanced during training."""
+
+    load_balance_coeff: float = 1e-3
+    """Auxiliary-loss-free balancing: each optimizer step moves every expert's routing bias by this much
+    towards the mean load (up when under-loaded, down when over-loaded); 0 turns it off."""
+
+    aux_loss_alpha: float = 0.0
+    """Weight of DeepSeek-V3's sequence-wise balance loss, added to the training loss (published: 1e-4);
+    0 turns it off. Not available under pipeline parallel (stages pass activations only)."""
+
+
+def moe_args_for_job(moe: MoEArgs, job_config: Any) -> MoEArgs:
+    """A flavor's MoE args with the job's `moe` section applied; the sequence-wise loss is refused under
+    pipeline parallel (stages pass activations only, so a middle stage's loss has no way to the loss)."""
+    m = job_config.moe
+    if m.aux_loss_alpha > 0 and job_config.parallelism.pipeline_parallel_degree > 1:
+        raise ValueError(
+            "--moe.aux_loss_alpha needs the whole model in one stage (pipeline stages pass activations only); "
+            "under pipeline parallel balance with --moe.load_balance_coeff and set --moe.aux_loss_alpha 0"
+        )
+    return dataclasses.replace(moe, load_balance_coeff=m.load_balance_coeff, aux_loss_alpha=m.aux_loss_alpha)

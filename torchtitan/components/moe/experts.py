@@ -1,0 +1,69 @@
+"""Routed experts as stacked weights, and how their SwiGLUs run.
+
+`expert_swiglu` is the one place that chooses the kernel: `torch._grouped_mm` (one grouped GEMM per
+projection over all experts' token groups) on CUDA devices that have it for the dtype, else an exact loop
+of one matmul per expert. Both compute the same function; tests/unit/test_moe.py checks they agree.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """torch._grouped_mm's CUDA kernel: bf16 on compute capability 9.0+ (Hopper). CPU builds have a
+    reference implementation whose backward is unreliable, so the exact loop is used there."""
+    if not hasattr(torch, "_grouped_mm") or device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+
+
+def expert_swiglu(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    counts: torch.Tensor,
+    use_grouped_mm: bool | None = None,
+) -> torch.Tensor:
+    """x [N, dim]: tokens sorted by expert, counts[e] of them for expert e; w1/w3 [E, hidden, dim],
+    w2 [E, dim, hidden]. Returns w2_e(silu(w1_e x) * w3_e x) for each token's expert, [N, dim].
+    use_grouped_mm None: grouped GEMM where supported (see grouped_mm_supported)."""
+    w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
+    if use_grouped_mm is None:
+        use_grouped_mm = grouped_mm_supported(x.device, x.dtype)
+    if use_grouped_mm:
+        offsets = counts.cumsum(0).to(torch.int32)
+        return _grouped(F.silu(_grouped(x, w1, offsets)) * _grouped(x, w3, offsets), w2, offsets)
+    out = []
+    for e, xe in enumerate(x.split(counts.tolist())):
+        out.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
+    return torch.cat(out) if out else x.new_zeros(0, w2.shape[1])
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    # Under expert parallel the stacked weights are DTensors sharded over experts (dim 0) on the ep mesh;
+    # this rank computes with its own experts. The gradient returns as this rank's shard (Shard(0)).
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def init_weights(self, out_std: float) -> None:
+        for w, std in ((self.w1, 0.02), (self.w2, out_std), (self.w3, out_std)):
+            nn.init.trunc_normal_(w, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [N, dim] sorted by (local) expert with counts[e] tokens for local expert e."""
+        return expert_swiglu(x, _local(self.w1), _local(self.w2), _local(self.w3), counts)

@@ -1,0 +1,127 @@
+"""The MoE layer: route each token to its top-k experts, run them, combine, add the shared experts.
+
+    tokens ─▶ router (scores, + balancing bias for the choice) ─▶ sort token copies by expert
+    ─▶ dispatch ─▶ experts ─▶ combine ─▶ x routed weight ─▶ scatter-add per token ─▶ + shared experts
+
+Dispatch is capacity-free: every token copy reaches its expert, however unbalanced the routing. Without
+expert parallel the dispatch is the identity; `distributed.expert_parallel.apply_ep` replaces it with an
+all-to-all over the ep ranks (`token_dispatch`), the way context parallel swaps the attention kernel.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan.components.moe.args import MoEArgs
+from torchtitan.components.moe.experts import GroupedExperts
+from torchtitan.components.moe.router import TokenChoiceRouter
+from torchtitan.protocols.model import is_shape_only_forward
+
+# (tokens sorted by expert [N, dim], this rank's token count per expert [E], experts) -> outputs [N, dim]
+TokenDispatch = Callable[[torch.Tensor, torch.Tensor, GroupedExperts], torch.Tensor]
+
+
+def local_dispatch(x: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
+    return experts(x, counts)
+
+
+@dataclasses.dataclass
+class MoEOutput:
+    out: torch.Tensor
+    aux_loss: torch.Tensor | None
+    """Sequence-wise balance loss as a SUM over this call's tokens (see MoE.sequence_aux_loss); None when off."""
+    load: torch.Tensor
+    """Token copies routed to each expert by this call [E] (detached)."""
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def init_weights(self, out_std: float) -> None:
+        for w, std in ((self.w1, 0.02), (self.w2, out_std), (self.w3, out_std)):
+            nn.init.trunc_normal_(w.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.router = TokenChoiceRouter(dim, args)
+        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
+        self.shared_experts = (
+            SwiGLU(dim, args.hidden_dim * args.num_shared_experts) if args.num_shared_experts > 0 else None
+        )
+        # Added to the router scores when choosing experts; moved by update_expert_bias. Persistent: it is
+        # part of the trained model (HF: e_score_correction_bias).
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
+        # Token copies each expert received since the last optimizer step, on this rank.
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        self.token_dispatch: TokenDispatch = local_dispatch
+
+    def init_weights(self, out_std: float, buffer_device: torch.device | None = None) -> None:
+        self.router.init_weights(0.02)
+        self.experts.init_weights(out_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(out_std)
+        with torch.no_grad():
+            device = buffer_device or self.expert_bias.device
+            self.expert_bias = torch.zeros(self.args.num_experts, device=device)
+            self.tokens_per_expert = torch.zeros(self.args.num_experts, device=device)
+
+    def forward(self, x: torch.Tensor) -> MoEOutput:
+        """x [B, S, dim] (under TP + sequence parallel: this rank's sequence shard)."""
+        bs, slen, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        weights, ids, scores = self.router(tokens, self.expert_bias)
+        load = torch.bincount(ids.flatten(), minlength=self.args.num_experts)
+        # Count real forwards once: not an activation-checkpoint recompute (forward again inside the
+        # backward pass), nor a pipeline stage's shape inference.
+        if torch._C._current_graph_task_id() == -1 and not is_shape_only_forward():
+            self.tokens_per_expert.add_(load)
+        order = ids.flatten().argsort(stable=True)
+        token_of = order // self.args.top_k
+        routed = self.token_dispatch(tokens[token_of], load, self.experts)
+        routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
+        out = torch.zeros_like(tokens).index_add_(0, token_of, routed)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x).reshape(-1, dim)
+        aux = None
+        if self.args.aux_loss_alpha > 0 and self.training:
+            aux = self.sequence_aux_loss(scores.view(bs, slen, -1), ids.view(bs, slen, -1))
+        return MoEOutput(out.view(bs, slen, dim), aux, load.detach())
+
+    def sequence_aux_loss(self, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3's sequence-wise balance loss, alpha * sum_i f_i P_i per sequence, where f_i is expert
+        i's share of the sequence's token copies times E / top_k (1 when balanced) and P_i its mean
+        normalised score. Returned as a SUM over tokens (each token carries its sequence's loss), the units
+        of ModelOutput.aux_loss, so dividing by the token count gives the mean over sequences.
+        scores [B, S, E], ids [B, S, top_k]; under CP/TP, S is this rank's slice of each sequence."""
+        a = self.args
+        bs, slen, n_exp = scores.shape
+        picked = torch.zeros(bs, n_exp, device=scores.device).scatter_add_(
+            1, ids.reshape(bs, -1), torch.ones(bs, slen * a.top_k, device=scores.device)
+        )
+        f = picked * n_exp / (a.top_k * slen)
+        p = (scores / scores.sum(-1, keepdim=True)).mean(1)
+        return a.aux_loss_alpha * (f * p).sum() * slen
+
+
+def add_layer_stats(
+    aux_total: torch.Tensor | None, metrics: dict[str, torch.Tensor], layer: str, out: MoEOutput
+) -> torch.Tensor | None:
+    """Adds one MoE layer's balance loss to the model's total and its load imbalance (max / mean token
+    copies per expert, 1 = balanced) to the model's metrics; returns the new total."""
+    metrics[f"moe_load_max_over_mean/layer{layer}"] = out.load.max() / out.load.float().mean()
+    if out.aux_loss is None:
+        return aux_total
+    return out.aux_loss if aux_total is None else aux_total + out.aux_loss
