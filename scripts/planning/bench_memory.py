@@ -51,6 +51,10 @@ def _live_tensor_bytes(trainer) -> int:
     return s["params"] + s["grads"] + s["optimizer"] + buffers
 
 
+def _local_numel(t) -> int:
+    return t.to_local().numel() if hasattr(t, "to_local") else t.numel()
+
+
 def _peak_allocated(prof) -> int:
     """Largest total of bytes c10's CPU allocator had handed out (and not yet taken back) among the
     allocations made while profiling: its own running total, reported with every allocation event."""
@@ -93,6 +97,7 @@ def _measure(rank, world, argv, folder):
             holds_embedding=any(getattr(m, "tok_embeddings", None) is not None for m in parts),
             holds_output=any(getattr(m, "output", None) is not None for m in parts),
             pp_rank=pd.coordinate("pp")[0], stages_per_rank=len(parts),
+            fsdp_shard_params=sum(_local_numel(p) for m in parts for p in m.parameters() if p.requires_grad),
         )
         state = StateBytes(params=s["params"], grads=s["params"], optimizer=s["optimizer"], buffers=buffers)
         estimate = estimate_memory(ModelShape.from_args(trainer.model_args), state, work)

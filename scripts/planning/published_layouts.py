@@ -1,9 +1,9 @@
-"""The planner against published layouts: where each published layout ranks, the planner's own pick, and
-predicted vs published throughput (tokens/s/GPU).
+"""The planner against published layouts: where each published layout ranks, the planner's own pick,
+why they differ, and predicted vs published throughput (tokens/s/GPU).
 
     PYTHONPATH=$PWD python3 scripts/planning/published_layouts.py
 
-Sources of the published figures are in docs/planning.md (and in PUBLISHED below).
+The cases and their sources are torchtitan/planning/published.py PUBLISHED (and docs/planning.md).
 """
 
 import sys
@@ -11,28 +11,30 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from torchtitan.models.llama3 import llama3_flavors  # noqa: E402
-from torchtitan.planning.hardware import get_device  # noqa: E402
-from torchtitan.planning.memory import ModelShape  # noqa: E402
-from torchtitan.planning.planner import PUBLISHED, matches, plan_layouts  # noqa: E402
+from torchtitan.planning.published import PUBLISHED, compare  # noqa: E402
 
 
 def main() -> None:
-    device = get_device("H100-80GB")
+    rows, notes = [], []
+    for case in PUBLISHED:
+        c = compare(case)
+        first = c.result.ranked[0]
+        ours = c.result.ranked[c.rank - 1] if c.rank else None
+        ratio = (f"{ours.tokens_per_s_per_device:,.0f} / {case.tokens_per_s:,.0f} = "
+                 f"{ours.tokens_per_s_per_device / case.tokens_per_s:.2f}") if ours else "-"
+        gap = f"+{100 * c.gap:.1f}%" if ours else "-"
+        rows.append(f"| {case.name} ({case.device}, global batch {case.global_batch_size}) | {case.describe()} | "
+                    f"{c.rank} of {len(c.result.ranked)} | {gap} | {first.layout.describe()} | {ratio} |")
+        notes.append(f"- {case.name}: {c.reason}.")
+        if ours:
+            notes.append(f"  published degrees, best variant: {ours.layout.describe()}; "
+                         f"peak {ours.memory.peak / 2**30:.1f} GiB")
     print("| case | published layout | its rank (of fitting) | its predicted step vs #1 | planner's #1 | "
           "predicted / published tokens/s/GPU |")
     print("|---|---|---|---|---|---|")
-    for case in PUBLISHED:
-        shape = ModelShape.from_args(llama3_flavors[case.flavor])
-        result = plan_layouts(shape, device, case.devices, case.seq_len, case.global_batch_size,
-                              network=case.network)
-        rank = next((i for i, c in enumerate(result.ranked, 1) if matches(c.layout, case)), None)
-        cand = result.ranked[rank - 1] if rank else None
-        ratio = (f"{cand.tokens_per_s_per_device:,.0f} / {case.tokens_per_s:,.0f} = "
-                 f"{cand.tokens_per_s_per_device / case.tokens_per_s:.2f}") if cand and case.tokens_per_s else "-"
-        gap = f"+{100 * (cand.time.total / result.ranked[0].time.total - 1):.1f}%" if cand else "-"
-        print(f"| {case.name} | {case.describe()} | {rank} of {len(result.ranked)} | {gap} | "
-              f"{result.ranked[0].layout.describe()} | {ratio} |")
+    print("\n".join(rows))
+    print()
+    print("\n".join(notes))
 
 
 if __name__ == "__main__":

@@ -179,6 +179,7 @@ def rank_report(
             holds_embedding=any(getattr(p, "tok_embeddings", None) is not None for p in parts),
             holds_output=any(getattr(p, "output", None) is not None for p in parts),
             pp_rank=pp_rank, stages_per_rank=max(1, len(stages)), on_gpu=on_gpu,
+            fsdp_shard_params=sum(_local(p).numel() for p in trainable),
         )
         state = StateBytes(param_bytes, grad_bytes, optimizer_bytes, buffer_bytes)
         memory = estimate_memory(ModelShape.from_args(plan.model_args), state, work)

@@ -28,6 +28,8 @@ DEVICES: dict[str, Device] = {
     for d in (
         # H100 SXM: 989 TFLOP/s bf16, 80 GB HBM3, NVLink 4 900 GB/s bidirectional, one 400 Gb/s NIC per GPU.
         Device("H100-80GB", 989.4 * _T, 80e9, 450 * _G, 50 * _G),
+        # H100 with 96 GB HBM2e (Meta's Grand Teton hosts of the torchtitan paper's runs), same compute and links.
+        Device("H100-96GB", 989.4 * _T, 96e9, 450 * _G, 50 * _G),
         Device("H200-141GB", 989.4 * _T, 141e9, 450 * _G, 50 * _G),
         # A100 SXM: 312 TFLOP/s, NVLink 3 600 GB/s bidirectional, 200 Gb/s NIC per GPU.
         Device("A100-80GB", 312 * _T, 80e9, 300 * _G, 25 * _G),

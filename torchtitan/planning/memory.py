@@ -4,6 +4,14 @@
          + activations kept for backward (a per-block formula per AC mode) x microbatches in flight
          + the loss's temporaries (logits, fp32 gradients of the log-probabilities and of the logits)
          + communication/temporary buffers (FSDP's unsharded block parameters and gradients)
+         + FSDP with several microbatches: gradient sync is off for every microbatch but the last (the
+           trainer's gradient accumulation; torch's PipelineStage under PP), so FSDP accumulates the
+           gradients unsharded, in fp32 (the reduce dtype), instead of the sharded ones; under PP the
+           stage's parameters also stay gathered (compute dtype) for the whole step (no reshard after
+           forward or backward)
+         + PP receive buffers: torch's PipelineStage allocates, up front and for good, one activation
+           buffer per microbatch for each local stage but the first and one gradient buffer per
+           microbatch for each but the last (sequence-parallel boundary activations)
          + allocator overhead (CUDA caching allocator: a stated fraction; CPU: none)
          + CUDA context and NCCL buffers (GPU: a stated constant; CPU: none)
 
@@ -76,6 +84,14 @@ class RankWork:
     act_bytes: int = 4
     """Bytes per activation element (the compute dtype: 2 for bf16 mixed precision)."""
     gathered_param_bytes: int = 4
+    unsharded_grad_params: int = 0
+    """FSDP with several microbatches: parameters of this rank (after TP) whose gradients accumulate
+    unsharded in fp32 (0 = gradients are reduce-scattered per microbatch, or no FSDP)."""
+    params_stay_gathered: bool = False
+    """PP with FSDP: those parameters also stay gathered for the whole step."""
+    pp_recv_buffers: int = 0
+    """PP: receive buffers torch's PipelineStage allocates up front and keeps, one per microbatch for the
+    activations of each of this rank's stages but the first and for the gradients of each but the last."""
     on_gpu: bool = False
 
 
@@ -117,7 +133,7 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
     outside = (shape.dim * w.act_bytes / w.tp if w.holds_embedding else 0) + (
         2 * shape.dim * w.act_bytes / w.tp + 4 * vocab_local if w.holds_output else 0
     )
-    if not w.holds_embedding:
+    if not w.holds_embedding and not w.pp_recv_buffers:
         outside += shape.dim * w.act_bytes / w.tp  # the stage input received from the previous stage
     activations = int(tokens * (blocks + outside) * w.in_flight)
     # When backward starts: the logits (still referenced by the caller), the fp32 gradient of the
@@ -125,8 +141,9 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
     loss_temp = int(tokens * vocab_local * (w.act_bytes + 2 * 4)) if w.holds_output else 0
     # FSDP: the current and the prefetched block's parameters gathered, and one block's unsharded gradient.
     fsdp_buffers = 0
-    if w.fsdp > 1:
-        fsdp_buffers = int(shape.block_params / w.tp * (2 * w.gathered_param_bytes + 4))
+    if w.fsdp > 1:  # (the unsharded gradient is part of the accumulated ones when those are kept)
+        grad_buffer = 0 if w.unsharded_grad_params else 4
+        fsdp_buffers = int(shape.block_params / w.tp * (2 * w.gathered_param_bytes + grad_buffer))
     c = {
         "parameters": state.params,
         "gradients": state.grads,
@@ -135,10 +152,18 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
         "activations": activations,
         "loss temporaries": loss_temp,
         "FSDP gather/reduce buffers": fsdp_buffers,
+        # Sequence-parallel (1/tp) boundary activations; the stage inputs in flight are among them.
+        "PP receive buffers": int(w.pp_recv_buffers * tokens * shape.dim / w.tp * w.act_bytes),
     }
+    if w.unsharded_grad_params:
+        c["gradients"] = 0  # the sharded gradients appear only as the last microbatch reduce-scatters
+        c["FSDP unsharded gradients"] = 4 * w.unsharded_grad_params
+        if w.params_stay_gathered:
+            c["FSDP gather/reduce buffers"] = 0
+            c["FSDP gathered stage (PP)"] = w.gathered_param_bytes * w.unsharded_grad_params
     # Gradients and activations overlap only partly: while backward frees a block's activations it creates
     # that block's gradients. Without gradients from an earlier microbatch the peak is the larger of the two.
-    if not w.grads_live:
+    if not w.grads_live and not w.unsharded_grad_params:
         overlap = min(state.grads, activations + loss_temp)
         c["gradients"] = state.grads - overlap
     total = sum(c.values())
@@ -169,9 +194,17 @@ def in_flight_microbatches(schedule: str, n_microbatches: int, pp: int, pp_rank:
     return min(v * n_microbatches, (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1) / v
 
 
+def pp_recv_buffer_count(n_microbatches: int, stages_per_rank: int, holds_first: bool, holds_last: bool) -> int:
+    """Receive buffers a pp rank keeps (RankWork.pp_recv_buffers): per microbatch, one activation buffer
+    per local stage that is not the first and one gradient buffer per local stage that is not the last."""
+    return n_microbatches * (2 * stages_per_rank - holds_first - holds_last)
+
+
 def rank_work(cfg, parallel_dims, grad_accum: int, *, blocks: int, holds_embedding: bool, holds_output: bool,
-              pp_rank: int = 0, stages_per_rank: int = 1, on_gpu: bool = False) -> RankWork:
-    """RankWork of a job's rank from its config and layout (what the dry run knows about it)."""
+              pp_rank: int = 0, stages_per_rank: int = 1, on_gpu: bool = False, fsdp_shard_params: int = 0) -> RankWork:
+    """RankWork of a job's rank from its config and layout (what the dry run knows about it);
+    `fsdp_shard_params` = the rank's trainable parameter elements (its FSDP shard), for FSDP with
+    several microbatches."""
     pd, t, p = parallel_dims, cfg.training, cfg.parallelism
     compute = t.mixed_precision_param if (pd.fsdp_enabled or t.dtype == "float32") else t.dtype
     act_bytes = 2 if compute in ("bfloat16", "float16") else 4
@@ -180,12 +213,16 @@ def rank_work(cfg, parallel_dims, grad_accum: int, *, blocks: int, holds_embeddi
         tokens = p.pipeline_parallel_microbatch_size * t.seq_len
         per_stage = in_flight_microbatches(p.pipeline_parallel_schedule, n_mb, pd.pp, pp_rank, stages_per_rank)
         in_flight = per_stage
+        recv = pp_recv_buffer_count(n_mb, stages_per_rank, holds_embedding, holds_output)
         grads_live = n_mb > 1 or grad_accum > 1
     else:
-        tokens, in_flight, grads_live = t.local_batch_size * t.seq_len, 1, grad_accum > 1
+        tokens, in_flight, grads_live, recv = t.local_batch_size * t.seq_len, 1, grad_accum > 1, 0
+    fsdp = pd.dp_shard * pd.cp if pd.fsdp_enabled else 1
     return RankWork(
         tokens_per_microbatch=tokens, blocks=blocks, holds_embedding=holds_embedding, holds_output=holds_output,
         in_flight=in_flight, grads_live=grads_live, tp=pd.tp, cp=pd.cp,
-        fsdp=pd.dp_shard * pd.cp if pd.fsdp_enabled else 1, ac=ac_key(cfg.activation_checkpoint),
+        fsdp=fsdp, ac=ac_key(cfg.activation_checkpoint),
         act_bytes=act_bytes, gathered_param_bytes=act_bytes, on_gpu=on_gpu,
+        unsharded_grad_params=fsdp * fsdp_shard_params if fsdp > 1 and grads_live else 0,
+        params_stay_gathered=pd.pp_enabled, pp_recv_buffers=recv,
     )

@@ -13,7 +13,7 @@ import math
 from torchtitan.config.job_config import Parallelism
 from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims
 from torchtitan.distributed.pipeline import plan_pipeline
-from torchtitan.planning.hardware import FLAT_NETWORK, LLAMA3_RDMA_CLUSTER, Device, Network
+from torchtitan.planning.hardware import FLAT_NETWORK, Device, Network
 from torchtitan.planning.memory import (
     MemoryEstimate,
     ModelShape,
@@ -21,6 +21,7 @@ from torchtitan.planning.memory import (
     StateBytes,
     estimate_memory,
     in_flight_microbatches,
+    pp_recv_buffer_count,
 )
 from torchtitan.planning.step_time import DEFAULT_MFU, FULL_SPEED_TOKENS, StepTime, collective_time
 
@@ -111,10 +112,18 @@ def _order(shape: ModelShape) -> list[str]:
     return ["tok_embeddings", *(f"layers.{i}" for i in range(shape.n_layers)), "norm", "output"]
 
 
+def module_flops_per_token(shape: ModelShape, seq_len: int) -> dict[str, float]:
+    """Training FLOPs per token of each top-level module: 6 per matmul weight, + attention scores and values
+    for a block; the embedding (a lookup) and the norm about zero."""
+    block = 6 * shape.block_params + 12 * shape.dim * seq_len  # n_heads x head_dim = dim
+    d = {"tok_embeddings": 0.0, "norm": 0.0, "output": 6.0 * shape.vocab * shape.dim}
+    d.update({f"layers.{i}": float(block) for i in range(shape.n_layers)})
+    return d
+
+
 def flops_per_token(shape: ModelShape, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per matmul weight (blocks and output) + attention scores and values."""
-    head_dim = shape.dim // shape.n_heads
-    return 6 * (shape.n_layers * shape.block_params + shape.vocab * shape.dim) + 12 * shape.n_layers * shape.n_heads * head_dim * seq_len
+    """Training FLOPs per token of the whole model (what MFU and published TFLOP/s figures count)."""
+    return sum(module_flops_per_token(shape, seq_len).values())
 
 
 def _ac_factor(ac: str) -> float:
@@ -137,12 +146,25 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
                         pipeline_parallel_microbatch_size=L.microbatch_size,
                         pipeline_parallel_layers_per_stage=L.layers_per_stage),
             _order(shape), 1, 2, L.local_batch_size)
-        per_rank_stages = {r: [plan.stages[s] for s in plan.local_stages(r)] for r in (0, L.pp - 1)}
+        all_ranks = {r: [plan.stages[s] for s in plan.local_stages(r)] for r in range(L.pp)}
+        # Memory is judged on the first rank (most microbatches in flight), the last (the output and loss)
+        # and the one with the most block activations in flight (rank 1 when rank 0's first stage is only
+        # the embedding).
+        def in_flight_blocks(r: int) -> float:
+            blocks = sum(n.startswith("layers.") for st in all_ranks[r] for n in st)
+            return blocks * in_flight_microbatches(L.schedule, plan.n_microbatches, L.pp, r, len(all_ranks[r]))
+
+        heaviest = max(range(L.pp), key=in_flight_blocks)
+        per_rank_stages = {r: all_ranks[r] for r in (0, heaviest, L.pp - 1)}
         n_mb = plan.n_microbatches
     else:
-        per_rank_stages = {0: [tuple(_order(shape))]}
+        all_ranks = per_rank_stages = {0: [tuple(_order(shape))]}
         n_mb = L.grad_accum
-    # Memory of the heaviest pipeline rank (the first keeps the most microbatches, the last the output).
+    # The pipeline runs at the pace of its busiest rank (stages differ: the output projection weighs
+    # more than a block, the embedding nothing).
+    module_fpt = module_flops_per_token(shape, seq_len)
+    busiest_fpt = max(sum(module_fpt[n] for st in stages for n in st) for stages in all_ranks.values())
+    # Memory of the heaviest pipeline rank.
     worst: MemoryEstimate | None = None
     stage_params_max = 0
     for r, stages in per_rank_stages.items():
@@ -158,6 +180,10 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
             in_flight=in_flight_microbatches(L.schedule, n_mb, L.pp, r, len(stages)) if L.pp > 1 else 1,
             grads_live=n_mb > 1, tp=L.tp, cp=L.cp, fsdp=fsdp, ac=L.ac, act_bytes=ACT_BYTES,
             gathered_param_bytes=ACT_BYTES, on_gpu=True,
+            unsharded_grad_params=int(stage_params / L.tp) if fsdp > 1 and n_mb > 1 else 0,
+            params_stay_gathered=L.pp > 1,
+            pp_recv_buffers=pp_recv_buffer_count(n_mb, len(stages), "tok_embeddings" in names, "output" in names)
+            if L.pp > 1 else 0,
         )
         est = estimate_memory(shape, state, work)
         if worst is None or est.peak > worst.peak:
@@ -170,28 +196,38 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
     fpt = flops_per_token(shape, seq_len)
     rank_tokens = (L.microbatch_size if L.pp > 1 else L.local_batch_size) * seq_len / L.cp
     speed = mfu * min(1.0, rank_tokens / FULL_SPEED_TOKENS)
-    compute = per_replica_tokens * fpt * _ac_factor(L.ac) / (L.tp * L.cp * L.pp) / (device.bf16_flops * speed)
+    compute = per_replica_tokens * busiest_fpt * _ac_factor(L.ac) / (L.tp * L.cp) / (device.bf16_flops * speed)
     blocks_per_rank = math.ceil(shape.n_layers / L.pp)
     exposed: dict[str, float] = {}
-    hidden = 0.0
-    if fsdp > 1:
+    # FSDP / HSDP. Gradients are reduced once, after the last microbatch (the trainer turns gradient sync off
+    # for the others; under PP torch's PipelineStage does), so the reduce-scatter (and HSDP's all-reduce)
+    # hides only behind that microbatch's backward; under PP only the rank's last stage's reduction is
+    # exposed that way (the other stages' run while it still computes). Gathers: without PP every block is
+    # gathered per microbatch in forward and again in backward, prefetched behind the step's compute; under
+    # PP a stage stays gathered, so its gathers hide only behind the first microbatch's forward. The first
+    # gather and the last reduction of a block are never hidden.
+    if fsdp > 1 or L.dp_replicate > 1:
         span = L.tp * fsdp
+        units = blocks_per_rank + 1  # + the embedding / output group, about a block's size each
         block = shape.block_params / L.tp
         ag, rs = (collective_time(device, fsdp, block * b, span, network) for b in (2, 4))
-        gathers = 1 if L.pp > 1 else 2 * n_mb  # PP keeps a stage gathered for the whole schedule step
-        units = blocks_per_rank + 1  # + the embedding / output group, about a block's size each
-        hidden += units * (gathers * ag + rs)
-    if L.dp_replicate > 1:
-        shard = stage_params_max / (L.tp * fsdp) * 4
-        hidden += 2 * collective_time(device, L.dp_replicate, shard, L.dp_replicate * fsdp * L.tp, network)
-    if hidden:
-        per_block = hidden / (blocks_per_rank + 1)
-        exposed["FSDP/HSDP"] = max(0.0, hidden - compute) + per_block
+        ar = 0.0
+        if L.dp_replicate > 1:
+            shard = stage_params_max / (L.tp * fsdp) * 4
+            ar = 2 * collective_time(device, L.dp_replicate, shard, L.dp_replicate * fsdp * L.tp, network)
+        mb_compute = compute / n_mb  # one microbatch through all of this rank's stages
+        fwd = mb_compute / (3 * _ac_factor(L.ac))
+        v = plan.stages_per_rank if L.pp > 1 else 1
+        gather = units * ag - fwd if L.pp > 1 else 2 * n_mb * units * ag - compute
+        reduce = (units * rs + ar - (mb_compute - fwd)) / v
+        exposed["FSDP/HSDP"] = max(0.0, gather) + max(0.0, reduce) + ag + rs
     tokens_mb = (L.microbatch_size if L.pp > 1 else L.local_batch_size) * seq_len / L.cp
     passes = n_mb if L.pp > 1 else L.grad_accum
     if L.tp > 1:
         per = collective_time(device, L.tp, tokens_mb * shape.dim * ACT_BYTES, L.tp, network)
-        count = 8 + (4 if L.ac == "full" else 0)
+        # 2 all-gathers + 2 reduce-scatters in forward, as many in backward; recomputation repeats the
+        # forward's 4 under full AC and, under op AC, the 2 all-gathers (only reduce-scatter outputs are saved).
+        count = 8 + {"none": 0, "op": 2, "full": 4}[L.ac]
         exposed["TP"] = blocks_per_rank * passes * count * per
     if L.cp > 1:
         kv = tokens_mb * L.cp * 2 * shape.kv_dim * ACT_BYTES  # K and V of the whole sequence
@@ -249,6 +285,7 @@ def enumerate_layouts(shape: ModelShape, devices: int, seq_len: int, global_batc
 def plan_layouts(shape: ModelShape, device: Device, devices: int, seq_len: int, global_batch_size: int,
                  mfu: float = DEFAULT_MFU, cp_min_seq_len: int = CP_MIN_SEQ_LEN,
                  network: Network = FLAT_NETWORK) -> PlanResult:
+    """Every layout enumerate_layouts yields, judged and ranked."""
     ranked, dropped = [], {"does not divide / invalid pipeline": 0, "does not fit memory": 0}
     for layout in enumerate_layouts(shape, devices, seq_len, global_batch_size, device.gpus_per_node, cp_min_seq_len):
         try:
@@ -279,45 +316,3 @@ def explain(c: Candidate, seq_len: int, global_batch_size: int, device: Device) 
             f"  peak memory {c.memory.peak / 2**30:.1f} GiB of {device.memory_bytes / 2**30:.0f} GiB "
             f"(activations {c.memory.components['activations'] / 2**30:.1f}, model states "
             f"{sum(c.memory.components[k] for k in ('parameters', 'gradients', 'optimizer state')) / 2**30:.1f})")
-
-
-@dataclasses.dataclass(frozen=True)
-class Published:
-    """A layout someone trained with, and the throughput they reported (tokens/s/GPU; 0 = not published)."""
-
-    name: str
-    flavor: str
-    devices: int
-    seq_len: int
-    global_batch_size: int
-    tp: int
-    pp: int
-    cp: int
-    tokens_per_s: float
-    """Reported tokens/s/GPU, or FLOP/s/GPU converted with this model's flops_per_token (see below)."""
-    source: str
-    network: Network = FLAT_NETWORK
-
-    def describe(self) -> str:
-        dp = self.devices // (self.tp * self.pp * self.cp)
-        return " x ".join(f"{n} {v}" for n, v in (("pp", self.pp), ("dp", dp), ("cp", self.cp), ("tp", self.tp)) if v > 1)
-
-
-def matches(layout: Layout, p: Published) -> bool:
-    """The published degrees (FSDP or HSDP for the data-parallel part, any AC and batch split)."""
-    return (layout.tp, layout.pp, layout.cp) == (p.tp, p.pp, p.cp)
-
-
-PUBLISHED = (
-    Published("Llama 3.1 8B, 8 H100", "8B", 8, 8192, 16, 1, 1, 1, 5762,
-              "torchtitan paper (arXiv 2410.06511), 1D FSDP, bf16, no compile"),
-    Published("Llama 3.1 70B, 256 H100", "70B", 256, 8192, 256, 8, 1, 1, 829,
-              "torchtitan paper, 2D FSDP x TP 8"),
-    Published("Llama 3.1 405B, 512 H100", "405B", 512, 8192, 256, 8, 8, 1, 100,
-              "torchtitan paper, 3D FSDP 8 x TP 8 x PP 8, 1F1B"),
-    Published("Llama 3 405B, 16K H100", "405B", 16384, 8192, 2048, 8, 16, 1,
-              400e12 / flops_per_token(ModelShape(16384, 53248, 1024, 128, 128256, 126), 8192),
-              "Llama 3 paper (arXiv 2407.21783) Table 4: 400 TFLOP/s/GPU (38% MFU) at TP 8, PP 16, DP 128, 8K "
-              "sequences, 16M tokens per batch; converted to tokens/s with flops_per_token", LLAMA3_RDMA_CLUSTER),
-)
-"""Published layouts the planner is checked against (tests/unit/test_planner.py, docs/planning.md)."""

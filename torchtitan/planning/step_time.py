@@ -2,15 +2,20 @@
 communication each feature adds, minus what overlaps with compute.
 
 Rules (per rank, one optimizer step):
-  compute   training FLOPs of the rank's tokens (6 x params + attention, per token) / tp / pp share,
+  compute   training FLOPs of the busiest pipeline rank's modules for its tokens (6 x params + attention,
+            per token; the output projection weighs more than a block, the embedding nothing) / tp / cp,
             x 4/3 with full AC (one more forward), x (1 + 1/(3k)) with selective every k-th block; at
             `mfu` of the device's dense bf16 peak. Selective "op" recomputes element-wise ops only: no FLOPs.
-  FSDP      all-gather of the rank's stage parameters in forward and again in backward (bf16) and a
-            reduce-scatter of the gradients (fp32), once per microbatch (once per step under PP, whose
-            stages stay gathered); prefetching hides it behind compute except one block's worth.
-  HSDP      all-reduce of the gradient shards across replicas, hidden behind backward like FSDP.
+  FSDP      all-gather of the parameters (bf16) and one reduce-scatter of the gradients (fp32), which
+            happens after the last microbatch (gradient sync is off for the others). Without PP blocks are
+            gathered per microbatch in forward and again in backward, prefetched behind the step's
+            compute; under PP a stage stays gathered, so its gathers hide only behind the first
+            microbatch's forward. The reduction hides only behind the last microbatch's backward (under
+            PP: of the rank's last stage to finish). One block's gather and reduction are always exposed.
+  HSDP      all-reduce of the gradient shards across replicas, with the reduce-scatter (same rule).
   TP        per block and microbatch: 2 all-gathers + 2 reduce-scatters of the sequence-sharded
-            activations in forward, as many in backward (and in the recomputed forward); exposed.
+            activations in forward, as many in backward, and recomputation repeats the forward's 4 (full
+            AC) or its 2 all-gathers (op AC saves only reduce-scatter outputs); exposed.
   CP        the default rotate method all-gathers K and V of the whole sequence before attention and
             reduce-scatters their gradients in backward (3 collectives per block and microbatch); exposed.
   PP        the schedule's bubble: 1F1B (pp - 1) / n_microbatches extra, interleaved (pp - 1) / (v x n);
