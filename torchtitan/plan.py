@@ -37,14 +37,18 @@ def main(argv: list[str]) -> int:
         args = get_flavor(get_train_spec(a.model), a.flavor)
         if a.vocab_size:
             args = dataclasses.replace(args, vocab_size=a.vocab_size)
-        if not hasattr(args, "hidden_dim"):
-            raise ValueError(f"the planner's formulas are for Llama-style blocks; model {a.model!r} has none")
+        shape = ModelShape.from_args(args)
+        if shape is None:
+            raise ValueError(
+                f"the planner's formulas are for dense decoder blocks; model {a.model!r} declares no such shape "
+                f"(BaseModelArgs.transformer_shape)"
+            )
         if a.devices < 1 or a.seq_len < 1 or a.global_batch_size < 1:
             raise ValueError("--devices, --seq-len and --global-batch-size must be positive")
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result = plan_layouts(ModelShape.from_args(args), device, a.devices, a.seq_len, a.global_batch_size,
+    result = plan_layouts(shape, device, a.devices, a.seq_len, a.global_batch_size,
                           a.mfu or DEFAULT_MFU)
     dropped = ", ".join(f"{n} {why}" for why, n in result.dropped.items())
     print(f"{a.model} {a.flavor} on {a.devices} x {device.name}, seq {a.seq_len}, global batch "

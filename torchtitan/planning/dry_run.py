@@ -171,7 +171,8 @@ def rank_report(
     coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
     buffer_bytes = sum(_bytes(b) for b in buffers)
     memory = None
-    if hasattr(plan.model_args, "hidden_dim"):  # the estimator's formula is that of a Llama-style block
+    shape = ModelShape.from_args(plan.model_args)  # None: the estimator has no formula for this model's blocks
+    if shape is not None:
         pp_rank = coords.get("pp", 0)
         work = rank_work(
             cfg, plan.parallel_dims, plan.grad_accum,
@@ -182,7 +183,7 @@ def rank_report(
             fsdp_shard_params=sum(_local(p).numel() for p in trainable),
         )
         state = StateBytes(param_bytes, grad_bytes, optimizer_bytes, buffer_bytes)
-        memory = estimate_memory(ModelShape.from_args(plan.model_args), state, work)
+        memory = estimate_memory(shape, state, work)
     return RankReport(
         rank=rank,
         coordinates=coords,

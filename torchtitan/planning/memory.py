@@ -43,14 +43,24 @@ class ModelShape:
     n_heads: int
     vocab: int
     n_layers: int
+    q_dim: int | None = None
+    """Width of the query (and attention output) projection; None = dim (Llama). Qwen3 decouples it."""
 
     @classmethod
-    def from_args(cls, a) -> "ModelShape":
-        return cls(a.dim, a.hidden_dim, a.num_kv_heads * a.head_dim, a.n_heads, a.vocab_size, a.n_layers)
+    def from_args(cls, a) -> "ModelShape | None":
+        """The shape the model args declare (BaseModelArgs.transformer_shape), or None for a model that is
+        not a dense decoder of this shape (e.g. MoE): then there is no memory estimate."""
+        s = a.transformer_shape()
+        if s is None:
+            return None
+        q_dim = s.n_heads * s.head_dim
+        return cls(s.dim, s.ffn_hidden, s.n_kv_heads * s.head_dim, s.n_heads, s.vocab_size, s.n_layers,
+                   None if q_dim == s.dim else q_dim)
 
     @property
     def block_params(self) -> int:
-        return 2 * self.dim * self.dim + 2 * self.dim * self.kv_dim + 3 * self.dim * self.hidden + 2 * self.dim
+        q = self.q_dim or self.dim
+        return 2 * self.dim * q + 2 * self.dim * self.kv_dim + 3 * self.dim * self.hidden + 2 * self.dim
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,7 +115,7 @@ def _order(shape: ModelShape) -> list[str]:
 def module_flops_per_token(shape: ModelShape, seq_len: int) -> dict[str, float]:
     """Training FLOPs per token of each top-level module: 6 per matmul weight, + attention scores and values
     for a block; the embedding (a lookup) and the norm about zero."""
-    block = 6 * shape.block_params + 12 * shape.dim * seq_len  # n_heads x head_dim = dim
+    block = 6 * shape.block_params + 12 * (shape.q_dim or shape.dim) * seq_len  # attention: n_heads x head_dim
     d = {"tok_embeddings": 0.0, "norm": 0.0, "output": 6.0 * shape.vocab * shape.dim}
     d.update({f"layers.{i}": float(block) for i in range(shape.n_layers)})
     return d
@@ -135,7 +135,8 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
     """Memory and step time of one layout; raises LayoutError when the layout cannot run."""
     L = layout
     pd = ParallelDims(L.dp_replicate, L.dp_shard, L.cp, L.tp, L.pp, devices)
-    pd.check_model({"tp": {"n_heads": shape.n_heads, "n_kv_heads": shape.kv_dim // (shape.dim // shape.n_heads),
+    head_dim = (shape.q_dim or shape.dim) // shape.n_heads
+    pd.check_model({"tp": {"n_heads": shape.n_heads, "n_kv_heads": shape.kv_dim // head_dim,
                            "dim": shape.dim, "vocab_size": shape.vocab}})
     pd.check_batch(seq_len=seq_len, global_batch_size=global_batch_size, local_batch_size=L.local_batch_size)
     params = _module_params(shape)

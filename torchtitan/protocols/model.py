@@ -82,6 +82,19 @@ class ModelProtocol(Protocol):
     def init_weights(self, buffer_device: torch.device | None = None) -> None: ...
 
 
+@dataclasses.dataclass(frozen=True)
+class TransformerShape:
+    """The sizes of a dense decoder block that the planning tools' memory and step-time models read."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    head_dim: int
+    n_kv_heads: int
+    ffn_hidden: int
+    vocab_size: int
+
+
 class BaseModelArgs:
     """Base class of a model's args dataclass. Subclasses declare `vocab_size` and `max_seq_len` fields and
     implement `flops_per_token`; they override `divisible_by` when a parallel degree splits their shapes."""
@@ -97,6 +110,11 @@ class BaseModelArgs:
         """Mesh dimension -> {field name: value} that the dimension's degree must divide, e.g.
         {"tp": {"n_heads": 32, ...}}. The job planner checks these before any rank starts."""
         return {}
+
+    def transformer_shape(self) -> TransformerShape | None:
+        """The dense-block sizes the planner's activation and step-time models use; None (the default) when
+        the model is not a dense decoder of that shape: the planning tools then report no estimate."""
+        return None
 
     def update_from_job(self, job_config: Any, tokenizer: Any) -> "BaseModelArgs":
         """These args resized for a job: the tokenizer's vocabulary, and room for the recipe's seq_len."""

@@ -3,7 +3,7 @@
 import math
 from dataclasses import dataclass
 
-from torchtitan.protocols.model import BaseModelArgs
+from torchtitan.protocols.model import BaseModelArgs, TransformerShape
 
 
 @dataclass
@@ -67,3 +67,8 @@ class TransformerModelArgs(BaseModelArgs):
         return {
             "tp": {"n_heads": self.n_heads, "n_kv_heads": self.num_kv_heads, "dim": self.dim, "vocab_size": self.vocab_size}
         }
+
+    def transformer_shape(self) -> TransformerShape:
+        return TransformerShape(
+            self.dim, self.n_layers, self.n_heads, self.head_dim, self.num_kv_heads, self.hidden_dim, self.vocab_size
+        )

@@ -4,7 +4,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from torchtitan.distributed.parallel_dims import LayoutError
-from torchtitan.protocols.model import BaseModelArgs
+from torchtitan.protocols.model import BaseModelArgs, TransformerShape
 
 
 @dataclass
@@ -34,6 +34,11 @@ class Qwen3ModelArgs(BaseModelArgs):
         tied_output = self.vocab_size * self.dim if self.tie_embeddings else 0
         attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
         return 6 * (num_non_embedding_params + tied_output) + attention
+
+    def transformer_shape(self) -> TransformerShape:
+        return TransformerShape(
+            self.dim, self.n_layers, self.n_heads, self.head_dim, self.n_kv_heads, self.hidden_dim, self.vocab_size
+        )
 
     def divisible_by(self) -> dict[str, dict[str, int]]:
         """Tensor parallel splits the query and kv heads and, for the embedding and loss parallel, the

@@ -20,6 +20,9 @@ class Qwen3MoeModelArgs(Qwen3ModelArgs):
         inactive = self.n_layers * (m.num_experts - m.top_k) * 3 * self.dim * m.hidden_dim
         return super().flops_per_token(num_non_embedding_params - inactive, seq_len)
 
+    def transformer_shape(self) -> None:
+        return None  # MoE blocks: the planning tools' dense-block formulas do not apply
+
     def divisible_by(self) -> dict[str, dict[str, int]]:
         return {**super().divisible_by(), "ep": {"n_routed_experts": self.moe.num_experts}}
 
