@@ -10,6 +10,7 @@ import torch
 
 from torchtitan.config import JobConfig
 from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims, parallel_dims_from_config
+from torchtitan.tools.precision import Precision, resolve_precision
 from torchtitan.train_spec import TrainSpec, get_flavor, get_train_spec
 
 
@@ -23,6 +24,7 @@ class JobPlan:
     parallel_dims: ParallelDims
     global_batch_size: int
     grad_accum: int
+    precision: Precision
 
 
 def resolve_model(cfg: JobConfig) -> tuple[TrainSpec, object, object]:
@@ -54,7 +56,10 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
     if pd.pp_enabled and spec.pipelining_fn is None:
         raise LayoutError(f"model {cfg.model.name} does not support pipeline parallel")
     _check_device_features(cfg)
-    return JobPlan(spec, tokenizer, model_args, pd, global_bs, accum)
+    # The device the ranks will train on (as dist_utils.init_distributed picks it) decides "auto" precision.
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precision = resolve_precision(t.dtype, t.mixed_precision_param, device)
+    return JobPlan(spec, tokenizer, model_args, pd, global_bs, accum, precision)
 
 
 def _check_device_features(cfg: JobConfig) -> None:

@@ -37,7 +37,7 @@ from torchtitan.tools.device_peak import peak_flops
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.memory import MemoryMonitor
 from torchtitan.tools.params import count_params
-from torchtitan.tools.precision import DTYPES
+from torchtitan.tools.precision import DTYPE_NAMES, emulation_warning
 from torchtitan.tools.preemption import PreemptionWatch
 from torchtitan.tools.profiling import Profiler
 
@@ -61,6 +61,12 @@ class Trainer:
             plan.parallel_dims, plan.global_batch_size, plan.grad_accum
         )
         pd = self.parallel_dims
+        precision = plan.precision
+        logger.info(f"Precision: {precision.reason}")
+        if precision.emulated and self.rank == 0:
+            logger.warning(emulation_warning(precision, self.device))
+        # parallelize_fn builds FSDP's mixed-precision policy from the config: it reads the resolved dtype.
+        cfg.training.mixed_precision_param = DTYPE_NAMES[precision.mixed]
         self.mesh = pd.build_mesh(self.device.type) if self.world_size > 1 else None
         self.dp_rank, self.dp_degree = pd.coordinate("dp") if self.mesh else (0, 1)
         seed = dist_utils.set_determinism(cfg.debug, self.device)
@@ -69,7 +75,7 @@ class Trainer:
         self.dataloader = self._build_dataloader("train", cfg.training.local_batch_size, infinite=True)
 
         # ---- model: meta ─▶ converters ─▶ parallelize ─▶ weights ------------------------------------------
-        param_dtype = DTYPES[cfg.training.dtype]
+        param_dtype = precision.param
         with torch.device("meta"):
             model = self.spec.model_cls(self.model_args)
         # Cast on meta: init_weights then rebuilds derived fp32 buffers (e.g. the RoPE table) at full precision.
@@ -94,7 +100,7 @@ class Trainer:
             self.model_parts = [self.spec.parallelize_fn(model, pd, cfg)]
         self._init_weights(seed)
         # Autocast gives mixed precision where FSDP's policy does not apply (no data-parallel sharding).
-        mp = DTYPES[cfg.training.mixed_precision_param]
+        mp = precision.mixed
         self.autocast = (
             torch.autocast(self.device.type, dtype=mp)
             if not pd.fsdp_enabled and mp != param_dtype and param_dtype == torch.float32
@@ -118,9 +124,8 @@ class Trainer:
         # ---- observability --------------------------------------------------------------------------------
         self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.metrics, self.rank, dataclasses.asdict(cfg))
         self.memory = MemoryMonitor(self.device)
-        compute_dtype = param_dtype if param_dtype != torch.float32 else mp
         # The peak of the dtype the matmuls really run in: fp8 for float8, fp32 when float8 is emulated.
-        compute_dtype = self.converters.matmul_dtype(compute_dtype)
+        compute_dtype = self.converters.matmul_dtype(precision.matmul)
         self.peak_flops = peak_flops(self.device, compute_dtype)
         dist_utils.set_pg_timeout(cfg.comm.train_timeout_seconds)
 
