@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/ensure_env.sh test
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
-exec "$PYTHON" -m pytest -q "$@"
+# --durations: every run ends with its 10 slowest tests, so a test that starts to crawl shows up at once.
+exec "$PYTHON" -m pytest -q --durations=10 "$@"
