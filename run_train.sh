@@ -23,6 +23,6 @@ done
 # report from every process.
 "$PYTHON" -m torchtitan.preflight --world-size "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
 
-exec "$PYTHON" -m torch.distributed.run --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+exec "$PYTHON" -m torchtitan.launch --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
     --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 \
     -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"

@@ -10,6 +10,7 @@ import torch
 
 from torchtitan.config import JobConfig
 from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims, parallel_dims_from_config
+from torchtitan.job_checks import check_job_values
 from torchtitan.tools.precision import Precision, resolve_precision
 from torchtitan.train_spec import TrainSpec, get_flavor, get_train_spec
 
@@ -46,6 +47,7 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
     Raises ValueError / LayoutError / FileNotFoundError with one clear line. Used by the trainer and by
     the launcher's pre-flight check, so both judge a job the same way.
     """
+    check_job_values(cfg)
     spec, tokenizer, model_args = resolve_model(cfg)
     pd = parallel_dims_from_config(cfg.parallelism, world_size)
     # Shape fields a model may not have (a toy model without attention) are simply not checked.

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.errors import USER_ERRORS
+from torchtitan.launch import write_user_error
 from torchtitan.trainer import Trainer
 
 
@@ -17,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = ConfigManager().parse_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if not write_user_error(str(e)):
+            print(f"error: {e}", file=sys.stderr)
         return 2
     trainer = None
     try:
@@ -26,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         if os.environ.get("TORCHTITAN_TRACEBACK"):
             raise
-        if int(os.environ.get("RANK", "0")) == 0:
+        # Under ./run_train.sh the launcher prints the line once, after torchrun stopped every rank.
+        if not write_user_error(str(e)) and int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
