@@ -309,8 +309,14 @@ class CheckpointManager:
             raise CheckpointError(f"model {self.cfg.model.name} has no Hugging Face adapter; cannot load {path}")
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise CheckpointError(f"--checkpoint.initial_load_path {path}: not a Hugging Face folder (no config.json)")
+        from torchtitan.job_plan import resolve_model  # the job's model args; job_plan imports this module
+
         try:
-            full, _ = self.hf_adapter.load_hf(path)
+            full, _ = self.hf_adapter.load_hf(path, expected=resolve_model(self.cfg)[2])
+        except ValueError as e:
+            if type(e).__name__ == "HFConfigMismatch":  # a different model: its one line names the settings
+                raise CheckpointError(str(e)) from e
+            raise CheckpointError(f"cannot read Hugging Face checkpoint {path}: {type(e).__name__}: {_first_line(e)}") from e
         except Exception as e:  # safetensors / json errors of many kinds
             raise CheckpointError(
                 f"cannot read Hugging Face checkpoint {path}: {type(e).__name__}: {_first_line(e)}"
