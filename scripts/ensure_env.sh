@@ -36,7 +36,7 @@ md.version("torchtitan")  # installed (editable) in this environment
 mods = ["torchdata", "tiktoken", "sentencepiece", "datasets", "safetensors", "tensorboard", "wandb"]
 mods += ["tomllib" if sys.version_info >= (3, 11) else "tomli"]
 if sys.argv[1] == "test":
-    mods += ["pytest", "torchao"]  # torchao: the float8 tests
+    mods += ["pytest", "torchao", "transformers", "matplotlib"]  # float8, HF interop and plot tests
 sys.exit(0 if all(u.find_spec(m) for m in mods) else 1)
 PY
 then
