@@ -25,6 +25,7 @@ import torch  # noqa: E402
 
 from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
+from torchtitan.protocols.train_spec import config_manager
 from torchtitan.models.llama3.flavors import llama3_flavors  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
@@ -53,7 +54,7 @@ def bench(model: str, repeats: int, root: str) -> list[dict]:
         "--model.flavor", model, "--training.seq_len", "128", "--training.local_batch_size", "2",
         "--training.mixed_precision_param", "float32", "--checkpoint.enable", "--job.dump_folder", root,
     ]
-    trainer = Trainer(ConfigManager().parse_args(base))
+    trainer = Trainer(config_manager().parse_args(base))
     data = [iter(trainer.dataloader)]
 
     def step() -> float:
@@ -66,7 +67,7 @@ def bench(model: str, repeats: int, root: str) -> list[dict]:
     baseline = statistics.median(step() for _ in range(3))
     rows = []
     for mode in ("disabled", "async"):
-        cfg = ConfigManager().parse_args(base + ["--checkpoint.async_mode", mode, "--checkpoint.keep_latest_k", "0"])
+        cfg = config_manager().parse_args(base + ["--checkpoint.async_mode", mode, "--checkpoint.keep_latest_k", "0"])
         m = manager(trainer, cfg)
         blocked, total, extra, loads = [], [], [], []
         for i in range(repeats):
@@ -81,7 +82,7 @@ def bench(model: str, repeats: int, root: str) -> list[dict]:
                 total.append(written[0] - t0)
             else:
                 total.append(time.perf_counter() - t0)
-            load_cfg = ConfigManager().parse_args(base + ["--checkpoint.load_step", str(m._last_saved_step)])
+            load_cfg = config_manager().parse_args(base + ["--checkpoint.load_step", str(m._last_saved_step)])
             t0 = time.perf_counter()
             manager(trainer, load_cfg).load()
             loads.append(time.perf_counter() - t0)

@@ -27,14 +27,14 @@ from torchtitan.config.job_config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile, compile_loss, configure_compile_cache
 from torchtitan.models.llama3 import Transformer, llama3_flavors
+from torchtitan.tools.precision import DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--flavor", default="debugmodel")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=20)

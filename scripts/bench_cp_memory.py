@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.multiprocess import run_ranks  # noqa: E402
 from torchtitan.distributed.context_parallel import ContextParallelAttention, shard_batch  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class SavedBytes:
@@ -65,6 +64,7 @@ def _measure_model(rank: int, world_size: int, flavor: str, seq_len: int, attent
     from torchtitan.models.llama3.flavors import llama3_flavors
     from torchtitan.models.llama3.model import Transformer
     from torchtitan.models.llama3.parallelize import apply_cp
+    from torchtitan.tools.precision import DTYPES
 
     args = dataclasses.replace(llama3_flavors[flavor], max_seq_len=seq_len)
     torch.manual_seed(0)
@@ -161,7 +161,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="target", required=True)
     model = sub.add_parser("model", help="a whole Llama 3 forward")
     model.add_argument("--flavor", default="debugmodel")
-    model.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    model.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     model.add_argument("--budget-gib", type=float, default=2.0)
     attention = sub.add_parser("attention", help="the ring attention kernel alone")
     attention.add_argument("--batch", type=int, default=1)

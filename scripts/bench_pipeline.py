@@ -128,10 +128,10 @@ def bubble_fraction(table: dict[int, list], num_stages: int, per_rank: int) -> f
 
 # ---- measured step time ---------------------------------------------------------------------------------
 def _train(rank, world_size, argv, folder):
-    from torchtitan.config import ConfigManager
+    from torchtitan.protocols.train_spec import config_manager
     from torchtitan.trainer import Trainer
 
-    trainer = Trainer(ConfigManager().parse_args(argv + ["--job.dump_folder", folder]))
+    trainer = Trainer(config_manager().parse_args(argv + ["--job.dump_folder", folder]))
     try:
         trainer.train()
     finally:

@@ -21,10 +21,10 @@ import torch
 
 
 def build_trainer(args, dump):
-    from torchtitan.config import ConfigManager
+    from torchtitan.protocols.train_spec import config_manager
     from torchtitan.trainer import Trainer
 
-    cfg = ConfigManager().parse_args([
+    cfg = config_manager().parse_args([
         "--model.flavor", args.flavor, "--training.seq_len", str(args.seq_len),
         "--training.local_batch_size", str(args.batch), "--training.steps", str(args.warmup + args.steps),
         "--training.mixed_precision_param", args.dtype, "--metrics.log_freq", "10",
@@ -39,8 +39,10 @@ def make_bare(trainer, args):
     model.load_state_dict(trainer.model_parts[0].state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=trainer.cfg.optimizer.lr, betas=(0.9, 0.95),
                             weight_decay=0.1, foreach=True)
+    from torchtitan.tools.precision import DTYPES
+
     inputs, labels = next(iter(trainer.dataloader))
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    dtype = DTYPES[args.dtype]
     ctx = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else torch.autocast("cpu", enabled=False)
 
     def block(n):

@@ -18,8 +18,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from torchtitan.components.checkpoint import CheckpointError, write_model_checkpoint  # noqa: E402
-from torchtitan.config import ConfigError, ConfigManager  # noqa: E402
+from torchtitan.config import ConfigError  # noqa: E402
 from torchtitan.job_plan import resolve_model  # noqa: E402
+from torchtitan.protocols.train_spec import config_manager  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("output")
     args, overrides = p.parse_known_args(argv)
     try:
-        cfg = ConfigManager().parse_args(overrides)
+        cfg = config_manager().parse_args(overrides)
         spec, _, model_args = resolve_model(cfg)
         if spec.state_dict_adapter is None:
             raise CheckpointError(f"model {cfg.model.name} has no Hugging Face adapter")

@@ -19,15 +19,15 @@ import torch  # noqa: E402
 from torchtitan.components.checkpoint import CheckpointError  # noqa: E402
 from torchtitan.components.offline_model import build_cpu_model, job_config_of, load_model_weights  # noqa: E402
 from torchtitan.config import ConfigError  # noqa: E402
+from torchtitan.tools.precision import DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint")
     p.add_argument("output")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32")
     args, overrides = p.parse_known_args(argv)
     try:
         if os.path.exists(args.output) and os.listdir(args.output):

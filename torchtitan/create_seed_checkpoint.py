@@ -14,7 +14,8 @@ import sys
 
 from torchtitan.components.checkpoint import CheckpointError, write_model_checkpoint
 from torchtitan.components.offline_model import build_cpu_model
-from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.config import ConfigError
+from torchtitan.protocols.train_spec import config_manager
 from torchtitan.tools.precision import DTYPES
 from torchtitan.tools.logging import init_logger, logger
 
@@ -24,7 +25,7 @@ FOLDER = "seed_checkpoint"
 def main(argv: list[str] | None = None) -> int:
     init_logger()
     try:
-        cfg = ConfigManager().parse_args(sys.argv[1:] if argv is None else argv)
+        cfg = config_manager().parse_args(sys.argv[1:] if argv is None else argv)
         out = os.path.join(cfg.job.dump_folder, FOLDER)
         model, _, _, _ = build_cpu_model(cfg)
         model.to(DTYPES[cfg.training.dtype])

@@ -1,18 +1,27 @@
 """What a job will train and how: the model, tokenizer and layout, checked before any rank starts work.
 
-`plan_job` is the one judge of whether a job can run; the launcher's pre-flight check and the trainer both
-call it, so both give the same one-line answer.
+`plan_job` is the one judge of whether a job can run. The launcher's pre-flight check (torchtitan/preflight.py)
+and the trainer both call it, so both give the same one-line answer, before any process group exists: the
+model and flavor, the tokenizer, the layout against the world size, the shapes each parallel degree splits
+(declared by the model args' `divisible_by`), the batch and sequence divisibility, compile, activation
+checkpointing, the model converters (Float8) and the pipeline plan.
 """
 
 import dataclasses
 
 import torch
+import torch.nn as nn
 
+from torchtitan.components.quantization import ModelConverters, build_model_converters
 from torchtitan.config import JobConfig
+from torchtitan.distributed.activation_checkpoint import check_ac_config
+from torchtitan.distributed.compile import check_compile_config, compiles
 from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims, parallel_dims_from_config
+from torchtitan.distributed.parallel_dims import device_type as parallel_dims_device_type
+from torchtitan.distributed.pipeline import PipelinePlan, plan_model_pipeline
 from torchtitan.job_checks import check_job_values
+from torchtitan.protocols.train_spec import TrainSpec, get_flavor, get_train_spec
 from torchtitan.tools.precision import Precision, resolve_precision
-from torchtitan.train_spec import TrainSpec, get_flavor, get_train_spec
 
 
 @dataclasses.dataclass
@@ -25,52 +34,64 @@ class JobPlan:
     parallel_dims: ParallelDims
     global_batch_size: int
     grad_accum: int
+    model: nn.Module
+    """The whole model on the meta device, cast to training.dtype and converted (e.g. Float8)."""
+    converters: ModelConverters
+    pipeline_plan: PipelinePlan | None
     precision: Precision
+    """The dtypes the job trains in on its device ("auto" resolved)."""
 
 
 def resolve_model(cfg: JobConfig) -> tuple[TrainSpec, object, object]:
-    """(train spec, tokenizer, model args) of a job: the flavor's shape, with the vocabulary of the tokenizer
-    in use and room for the recipe's seq_len. Also used offline (conversion, generation) from a checkpoint's
-    saved config, so a model is rebuilt with exactly the shape it was trained with."""
+    """(train spec, tokenizer, model args) of a job: the flavor's shape resized for the job (the tokenizer's
+    vocabulary, room for the recipe's seq_len; see BaseModelArgs.update_from_job). Also used offline
+    (conversion, generation) from a checkpoint's saved config, so a model is rebuilt with exactly the shape
+    it was trained with."""
     spec = get_train_spec(cfg.model.name)
     flavor = get_flavor(spec, cfg.model.flavor)
     tokenizer = spec.build_tokenizer_fn(cfg)
-    model_args = dataclasses.replace(
-        flavor, vocab_size=tokenizer.vocab_size, max_seq_len=max(flavor.max_seq_len, cfg.training.seq_len)
-    )
-    return spec, tokenizer, model_args
+    return spec, tokenizer, flavor.update_from_job(cfg, tokenizer)
 
 
 def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
-    """Resolves the model, tokenizer and layout, and checks they fit together.
+    """Resolves the model, tokenizer and layout, and checks everything that can fail a job.
 
-    Raises ValueError / LayoutError / FileNotFoundError with one clear line. Used by the trainer and by
-    the launcher's pre-flight check, so both judge a job the same way.
+    Raises one of torchtitan.errors.USER_ERRORS with one clear line. No process group is needed.
     """
     check_job_values(cfg)
     spec, tokenizer, model_args = resolve_model(cfg)
     pd = parallel_dims_from_config(cfg.parallelism, world_size)
-    # Shape fields a model may not have (a toy model without attention) are simply not checked.
-    pd.check_model({k: getattr(model_args, k) for k in ("n_heads", "n_kv_heads", "dim", "vocab_size") if getattr(model_args, k, None)})
+    pd.check_model(model_args.divisible_by())
     t = cfg.training
     global_bs = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * pd.dp
     accum = pd.check_batch(seq_len=t.seq_len, global_batch_size=global_bs, local_batch_size=t.local_batch_size)
-    if pd.pp_enabled and spec.pipelining_fn is None:
-        raise LayoutError(f"model {cfg.model.name} does not support pipeline parallel")
-    _check_device_features(cfg)
-    # The device the ranks will train on (as dist_utils.init_distributed picks it) decides "auto" precision.
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    precision = resolve_precision(t.dtype, t.mixed_precision_param, device)
-    return JobPlan(spec, tokenizer, model_args, pd, global_bs, accum, precision)
+    device_type = parallel_dims_device_type()
+    _check_device_features(cfg, device_type)
+    # The device the ranks will train on decides "auto" precision.
+    precision = resolve_precision(t.dtype, t.mixed_precision_param, torch.device(device_type))
+    check_compile_config(cfg, device_type)
+    check_ac_config(cfg.activation_checkpoint, model_compiled=compiles(cfg, "model"))
+
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    # Cast on meta: init_weights then rebuilds derived fp32 buffers (e.g. the RoPE table) at full precision.
+    model.to(precision.param)
+    converters = build_model_converters(cfg, pd, torch.device(device_type))
+    converters.convert(model)
+
+    pipeline_plan = None
+    if pd.pp_enabled:
+        if spec.pipelining_fn is None:
+            raise LayoutError(f"model {cfg.model.name} does not support pipeline parallel")
+        pipeline_plan = plan_model_pipeline(model, pd, cfg)
+    return JobPlan(spec, tokenizer, model_args, pd, global_bs, accum, model, converters, pipeline_plan, precision)
 
 
-def _check_device_features(cfg: JobConfig) -> None:
+def _check_device_features(cfg: JobConfig, device_type: str) -> None:
     """Options that only exist on CUDA devices are refused up front on a machine without one."""
-    if torch.cuda.is_available():
+    if device_type == "cuda":
         return
     if cfg.training.enable_cpu_offload:
         raise ValueError("--training.enable_cpu_offload moves GPU memory to the host: it needs CUDA devices")
     if cfg.profiling.enable_memory_snapshot:
         raise ValueError("--profiling.enable_memory_snapshot records the CUDA caching allocator: it needs CUDA devices")
-
-

@@ -8,7 +8,8 @@ Prints one line naming the problem and exits non-zero on bad input; prints nothi
 import os
 import sys
 
-from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.config import ConfigError
+from torchtitan.protocols.train_spec import config_manager
 
 
 def main(argv: list[str]) -> int:
@@ -17,7 +18,7 @@ def main(argv: list[str]) -> int:
         world_size, argv = int(argv[1]), argv[2:]
     nnodes = int(os.environ.get("NNODES", "1"))
     try:
-        cfg = ConfigManager().parse_args(argv)
+        cfg = config_manager().parse_args(argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

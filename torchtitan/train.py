@@ -8,7 +8,8 @@ import sys
 
 import torch.distributed as dist
 
-from torchtitan.config import ConfigError, ConfigManager
+from torchtitan.config import ConfigError
+from torchtitan.protocols.train_spec import config_manager
 from torchtitan.errors import USER_ERRORS
 from torchtitan.launch import write_user_error
 from torchtitan.trainer import Trainer
@@ -16,7 +17,7 @@ from torchtitan.trainer import Trainer
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        cfg = ConfigManager().parse_args(sys.argv[1:] if argv is None else argv)
+        cfg = config_manager().parse_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
         if not write_user_error(str(e)):
             print(f"error: {e}", file=sys.stderr)

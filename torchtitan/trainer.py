@@ -9,7 +9,6 @@ The entry point is `torchtitan/train.py` (`./run_train.sh` or `python -m torchti
 import contextlib
 import dataclasses
 import gc
-import math
 import os
 import time
 import warnings
@@ -21,18 +20,15 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.components import checkpoint as ckpt
 from torchtitan.components.loss import IGNORE_INDEX, loss_value
-from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.metrics import MetricsLogger, throughput_metrics
-from torchtitan.components.optimizer import build_optimizers
-from torchtitan.components.quantization import build_model_converters
 from torchtitan.components.train_state import TrainState
 from torchtitan.config import JobConfig
 from torchtitan.config.manager import save_config, to_toml
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.context_parallel import shard_batch
-from torchtitan.distributed.pipeline import run_pipeline_eval, run_pipeline_step
 from torchtitan.errors import TrainingError
 from torchtitan.job_plan import plan_job
+from torchtitan.protocols.model import ModelOutput, as_model_output, split_inputs
 from torchtitan.tools.device_peak import peak_flops
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.memory import MemoryMonitor
@@ -54,7 +50,7 @@ class Trainer:
             if cfg.job.print_config:
                 logger.info(f"Resolved configuration:\n{to_toml(cfg)}")
 
-        # ---- what to train ---------------------------------------------------------------------------
+        # ---- what to train (checked before anything is built) --------------------------------------------
         plan = plan_job(cfg, self.world_size)
         self.spec, self.tokenizer, self.model_args = plan.spec, plan.tokenizer, plan.model_args
         self.parallel_dims, self.global_batch_size, self.grad_accum = (
@@ -74,14 +70,8 @@ class Trainer:
         # ---- data --------------------------------------------------------------------------------------
         self.dataloader = self._build_dataloader("train", cfg.training.local_batch_size, infinite=True)
 
-        # ---- model: meta ─▶ converters ─▶ parallelize ─▶ weights ------------------------------------------
-        param_dtype = precision.param
-        with torch.device("meta"):
-            model = self.spec.model_cls(self.model_args)
-        # Cast on meta: init_weights then rebuilds derived fp32 buffers (e.g. the RoPE table) at full precision.
-        model.to(param_dtype)
-        self.converters = build_model_converters(cfg, pd, self.device)
-        self.converters.convert(model)
+        # ---- model: meta (converted by the plan) ─▶ parallelize ─▶ weights ----------------------------------
+        model, self.converters = plan.model, plan.converters
         if cfg.model.print_after_conversion and self.rank == 0:
             logger.info(f"Model after converters:\n{model}")
         self.num_params, non_embedding = count_params(model)
@@ -91,16 +81,15 @@ class Trainer:
             f"({non_embedding:,} non-embedding), {self.flops_per_token / 1e9:.3f} GFLOP/token (train)"
         )
         self.loss_fn = self.spec.build_loss_fn(cfg)
-        self.pp_schedule = None
+        self.pipeline = None
         if pd.pp_enabled:
-            self.pp_schedule, self.model_parts = self.spec.pipelining_fn(
-                model, pd, cfg, self.device, self.model_args, self._scaled_loss
-            )
+            self.pipeline = self.spec.pipelining_fn(model, pd, cfg, self.device, self.spec.parallelize_fn, self.loss_fn)
+            self.model_parts = self.pipeline.parts
         else:
             self.model_parts = [self.spec.parallelize_fn(model, pd, cfg)]
         self._init_weights(seed)
         # Autocast gives mixed precision where FSDP's policy does not apply (no data-parallel sharding).
-        mp = precision.mixed
+        param_dtype, mp = precision.param, precision.mixed
         self.autocast = (
             torch.autocast(self.device.type, dtype=mp)
             if not pd.fsdp_enabled and mp != param_dtype and param_dtype == torch.float32
@@ -108,8 +97,10 @@ class Trainer:
         )
 
         # ---- optimization state -------------------------------------------------------------------------
-        self.optimizers = build_optimizers(self.model_parts, cfg.optimizer)
-        self.lr_schedulers = build_lr_schedulers(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
+        self.optimizers = self.spec.build_optimizers_fn(self.model_parts, cfg.optimizer, pd)
+        self.lr_schedulers = self.spec.build_lr_schedulers_fn(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
+        self.post_optimizer_step_fns = (self.converters.post_optimizer_hook, *self.spec.post_optimizer_step_fns)
+        self.validator = self.spec.build_validator_fn(cfg) if cfg.validation.enable else None
         self.train_state = TrainState()
         self.checkpointer = ckpt.CheckpointManager(
             cfg,
@@ -119,6 +110,7 @@ class Trainer:
             dataloader=self.dataloader,
             train_state=self.train_state,
             hf_adapter=self.spec.state_dict_adapter,
+            model_args=self.model_args,
         )
 
         # ---- observability --------------------------------------------------------------------------------
@@ -172,17 +164,9 @@ class Trainer:
             del full
         torch.manual_seed(seed)  # later randomness does not depend on how much the init consumed
 
-    def _scaled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Token-loss sum over the global token count of the step (set before each step)."""
-        return self.loss_fn(logits, labels) / self._global_tokens
-
     # ------------------------------------------------------------------------------------------------------
-    def _next_microbatches(self, data_iter: Iterator) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        out = []
-        for _ in range(self.grad_accum):
-            inputs, labels = next(data_iter)
-            out.append((inputs.to(self.device), labels.to(self.device)))
-        return out
+    def _next_microbatches(self, data_iter: Iterator) -> list[tuple]:
+        return [_to_device(next(data_iter), self.device) for _ in range(self.grad_accum)]
 
     def _reduce_over(self, x: torch.Tensor, dim: str) -> torch.Tensor:
         mesh = self.parallel_dims.submesh(dim) if self.mesh is not None else None
@@ -190,37 +174,54 @@ class Trainer:
             dist.all_reduce(x, group=mesh.get_group())
         return x
 
-    def train_step(self, microbatches) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over the rank's microbatches; returns (global loss, grad norm), unsynced."""
-        microbatches = [shard_batch(mb, *self.parallel_dims.coordinate("cp")) for mb in microbatches]
+    def global_token_count(self, microbatches) -> torch.Tensor:
+        """Label tokens of the whole optimizer step over every data-parallel and cp rank (this rank's
+        microbatches given as sharded for cp): the loss divisor. Every rank divides by the same count, so
+        summed gradients give the global mean."""
         local_tokens = sum((lab != IGNORE_INDEX).sum() for _, lab in microbatches)
-        # Every rank divides by the same global count, so summed gradients give the global mean.
-        self._global_tokens = self._reduce_over(local_tokens.to(torch.float32), "dp_cp").clamp_min(1)
+        return self._reduce_over(local_tokens.to(torch.float32), "dp_cp").clamp_min(1)
+
+    def _forward(self, inputs) -> ModelOutput:
+        tokens, extra = split_inputs(inputs)
+        return as_model_output(self.model_parts[0](tokens, **extra))
+
+    def train_step(self, microbatches) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """One optimizer step over the rank's microbatches; returns (global loss, grad norm, model metrics
+        averaged over the microbatches), unsynced."""
+        microbatches = [shard_batch(mb, *self.parallel_dims.coordinate("cp")) for mb in microbatches]
+        global_tokens = self.global_token_count(microbatches)
         loss_sum = torch.zeros((), device=self.device)
+        model_metrics: dict[str, torch.Tensor] = {}
         for i, (inputs, labels) in enumerate(microbatches):
             last = i == len(microbatches) - 1
             for m in self.model_parts:
                 if hasattr(m, "set_requires_gradient_sync"):
                     m.set_requires_gradient_sync(last)  # FSDP: reduce-scatter once, on the last microbatch
-            if self.pp_schedule is not None:
-                loss_sum += run_pipeline_step(self, inputs, labels)  # forward+backward through the schedule
-                continue
             with self.autocast, self._loss_context():
-                logits = self.model_parts[0](inputs)
-                loss = self._scaled_loss(logits, labels)
+                if self.pipeline is not None:
+                    loss_sum += self.pipeline.step(inputs, labels, global_tokens)  # forward+backward
+                    continue
+                out = self._forward(inputs)
+                token_loss = self.loss_fn(out.logits, labels)
+                if out.aux_loss is not None:
+                    token_loss = token_loss + out.aux_loss
+                loss = token_loss / global_tokens
                 loss.backward()
             loss_sum += loss_value(loss)
+            for k, v in out.metrics.items():
+                model_metrics[k] = model_metrics.get(k, 0) + v.detach() / len(microbatches)
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()],
             self.cfg.training.max_norm,
-            pp_group=self.parallel_dims.submesh("pp").get_group() if self.parallel_dims.pp_enabled else None,
+            pp_group=self.pipeline.group if self.pipeline is not None else None,
         )
         self._step_lr = self.optimizers.param_groups[0]["lr"]  # the LR this step trained with
         self.optimizers.step()
-        self.converters.post_optimizer_hook(self.model_parts)
+        for fn in self.post_optimizer_step_fns:
+            fn(self.model_parts, self.parallel_dims)
         self.lr_schedulers.step()
         self.optimizers.zero_grad()
-        return loss_sum, grad_norm
+        return loss_sum, grad_norm, model_metrics
 
     def _loss_context(self):
         pd = self.parallel_dims
@@ -230,32 +231,36 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------------
     @torch.no_grad()
+    def _forward_loss_sum(self, inputs, labels: torch.Tensor) -> torch.Tensor:
+        """Summed token loss of one validation batch, however the job is laid out."""
+        inputs, labels = shard_batch(_to_device((inputs, labels), self.device), *self.parallel_dims.coordinate("cp"))
+        with self.autocast, self._loss_context():
+            if self.pipeline is not None:
+                return self.pipeline.eval(inputs, labels)
+            return loss_value(self.loss_fn(self._forward(inputs).logits, labels))
+
     def validate(self, step: int) -> dict[str, float]:
-        v = self.cfg.validation
-        loader = self._build_dataloader("validation", v.local_batch_size, infinite=False)
+        loader = self._build_dataloader("validation", self.cfg.validation.local_batch_size, infinite=False)
         for m in self.model_parts:
             m.eval()
-        loss_sum = torch.zeros((), device=self.device)
-        tokens = torch.zeros((), device=self.device)
-        for i, (inputs, labels) in enumerate(loader):
-            if 0 <= v.steps <= i:
-                break
-            batch = (inputs.to(self.device), labels.to(self.device))
-            inputs, labels = shard_batch(batch, *self.parallel_dims.coordinate("cp"))
-            if self.pp_schedule is not None:
-                loss_sum += run_pipeline_eval(self, inputs, labels)
-            else:
-                with self.autocast, self._loss_context():
-                    loss_sum += loss_value(self.loss_fn(self.model_parts[0](inputs), labels))
-            tokens += (labels != IGNORE_INDEX).sum()
-        for m in self.model_parts:
-            m.train()
-        self._reduce_over(loss_sum, "dp_cp")
-        self._reduce_over(tokens, "dp_cp")
-        loss = (loss_sum / tokens.clamp_min(1)).item()
-        metrics = {"validation/loss": loss, "validation/perplexity": math.exp(min(loss, 50.0))}
+        try:
+            metrics = self.validator(self._forward_loss_sum, loader, lambda x: self._reduce_over(x, "dp_cp"))
+        finally:
+            for m in self.model_parts:
+                m.train()
         self.metrics.log(step, metrics)
         return metrics
+
+    def _model_metrics(self, model_metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The model's own metrics, averaged over the data-parallel ranks, vectors logged element-wise."""
+        out = {}
+        for name, value in model_metrics.items():
+            value = self._reduce_over(value.detach().float().clone(), "dp_cp") / (self.parallel_dims.dp * self.parallel_dims.cp)
+            if value.dim() == 0:
+                out[name] = value.item()
+            else:
+                out.update({f"{name}/{i}": v for i, v in enumerate(value.flatten().tolist())})
+        return out
 
     def train(self) -> None:
         cfg = self.cfg
@@ -286,7 +291,7 @@ class Trainer:
                 except StopIteration as e:
                     raise TrainingError(f"the data ran out at step {step}") from e
                 data_time += time.perf_counter() - t0
-                loss, grad_norm = self.train_step(microbatches)
+                loss, grad_norm, model_metrics = self.train_step(microbatches)
                 self.train_state.step = step
                 self.train_state.tokens_seen += tokens_per_step
                 window_tokens += tokens_per_step
@@ -321,6 +326,7 @@ class Trainer:
                         **speed,
                         "tokens_seen": self.train_state.tokens_seen,
                         **self.memory.get_peak_stats(),
+                        **self._model_metrics(model_metrics),
                     }
                     self.metrics.log(step, metrics)
                     window_start, window_tokens, data_time = time.perf_counter(), 0, 0.0
@@ -346,3 +352,12 @@ class Trainer:
         self.metrics.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _to_device(batch, device: torch.device):
+    """A batch (tensors, or tuples/dicts of them) moved to `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return tuple(_to_device(x, device) for x in batch)

@@ -72,7 +72,7 @@ def _run(recipe: str | None, a: argparse.Namespace, device: torch.device) -> dic
         loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:]) / tokens[:, 1:].numel()
         loss.backward()
         opt.step()
-        converters.post_optimizer_hook([model])
+        converters.post_optimizer_hook([model], None)
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         if step >= WARMUP_STEPS:

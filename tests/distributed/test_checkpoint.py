@@ -7,6 +7,7 @@
   negative control resumes without the data loader state (samples repeat) and must fail that check.
 * Pipeline: a run preempted under PP 2 resumes in one process, and a single-process checkpoint resumes under
   PP 2 (parameter names are the unsplit model's, so the checkpoint does not care), within the same tolerances.
+* Extension: a run finished under FSDP 2 and rerun with more steps in one process continues where it ended.
 * Fault: a run SIGKILLed while its async save of step 10 is being written resumes from step 5, reports the
   unfinished folder, and continues bit-identically.
 """
@@ -178,3 +179,17 @@ def test_killed_during_async_save_resumes_from_last_complete(straight_single, tm
     resumed = read_metrics(folder)[before:]
     assert [m["step"] for m in resumed] == list(range(6, 21))
     assert_identical(resumed, straight_single[5:])
+
+
+def test_finished_run_extends_under_another_layout(tmp_path):
+    """A run finished under FSDP 2 (5 steps; the last save is the full state) is extended to 10 steps in one
+    process: steps 6-10 match a straight 10-step single-process run within the 2D-parity tolerances. Warmup then
+    a constant LR (decay_ratio 0) gives both runs the same LR at every step."""
+    common = ["--checkpoint.enable", "--checkpoint.interval", "100", "--lr_scheduler.decay_ratio", "0"]
+    straight, _ = train(SINGLE[0], SINGLE[1] + common + ["--training.steps", "10"], str(tmp_path / "straight"))
+    folder = str(tmp_path / "extended")
+    train(FSDP2[0], FSDP2[1] + common + ["--training.steps", "5"], folder)
+    assert sorted(os.listdir(os.path.join(folder, "checkpoint"))) == ["step-5"]
+    steps = resume(SINGLE, common + ["--training.steps", "10"], folder)
+    assert [m["step"] for m in steps] == list(range(1, 11))  # the FSDP 2 run's 1..5, then the extension's 6..10
+    assert_parity(curves(steps[5:]), curves(straight[5:]))

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.distributed.test_parity_2d import assert_parity
+from torchtitan.distributed.context_parallel import shard_batch
 from tests.distributed.trainer_runs import curves, train
 from tests.multiprocess import run_ranks
 
@@ -47,7 +48,9 @@ def _probe(trainer) -> dict:
     """The step's global token count, and the meshes the parameters are sharded over."""
     meshes = {p.device_mesh.mesh_dim_names for m in trainer.model_parts for p in m.parameters()
               if hasattr(p, "device_mesh")}
-    return {"global_tokens": float(trainer._global_tokens), "meshes": sorted(meshes)}
+    batch = trainer._next_microbatches(iter(trainer.dataloader))
+    sharded = [shard_batch(mb, *trainer.parallel_dims.coordinate("cp")) for mb in batch]
+    return {"global_tokens": float(trainer.global_token_count(sharded)), "meshes": sorted(meshes)}
 
 
 @pytest.fixture(scope="module")

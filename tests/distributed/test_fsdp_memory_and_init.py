@@ -13,9 +13,8 @@ def _state_after_backward(trainer):
     from torchtitan.tools.memory import local_state_bytes
 
     inputs, labels = next(iter(trainer.dataloader))
-    trainer._global_tokens = torch.tensor(float(labels.numel()))
     with trainer._loss_context():
-        trainer._scaled_loss(trainer.model_parts[0](inputs), labels).backward()
+        (trainer.loss_fn(trainer.model_parts[0](inputs), labels) / labels.numel()).backward()
     return local_state_bytes(trainer.model_parts, trainer.optimizers)
 
 

@@ -31,12 +31,12 @@ def read_metrics(dump_folder: str) -> list[dict]:
 
 
 def _train(rank, world_size, argv, dump_folder, probe, setup):
-    from torchtitan.config import ConfigManager
+    from torchtitan.protocols.train_spec import config_manager
     from torchtitan.trainer import Trainer
 
     if setup is not None:
         setup(rank, world_size)
-    cfg = ConfigManager().parse_args(PARITY_ARGS + argv + ["--job.dump_folder", dump_folder])
+    cfg = config_manager().parse_args(PARITY_ARGS + argv + ["--job.dump_folder", dump_folder])
     trainer = Trainer(cfg)
     try:
         trainer.train()

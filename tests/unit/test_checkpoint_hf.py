@@ -23,7 +23,8 @@ import generate  # noqa: E402
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
     folder = tmp_path_factory.mktemp("run")
-    assert run(folder, "--training.steps", "3", "--checkpoint.enable", "--checkpoint.interval", "10") == 0
+    assert run(folder, "--training.steps", "3", "--checkpoint.enable", "--checkpoint.interval", "10",
+               "--checkpoint.last_save", "export_only") == 0
     return str(folder / "checkpoint" / "export-step-3")
 
 

@@ -16,7 +16,7 @@ from torchtitan.components import checkpoint_folders as folders
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager, RNGState
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
-from torchtitan.config import ConfigManager
+from torchtitan.protocols.train_spec import config_manager
 from torchtitan.components.train_state import TrainState
 
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2"]
@@ -24,9 +24,9 @@ CKPT = ["--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.keep_
 
 @pytest.fixture(scope="module")
 def done_run(tmp_path_factory):
-    """4 steps, a checkpoint every step, keep 2, model-only export at the end."""
+    """4 steps, a checkpoint every step, keep 2, and the model-only export as well at the end."""
     folder = tmp_path_factory.mktemp("run")
-    assert run(folder, "--training.steps", "4", *CKPT) == 0
+    assert run(folder, "--training.steps", "4", *CKPT, "--checkpoint.last_save", "full_and_export") == 0
     return folder
 
 
@@ -37,8 +37,8 @@ def copy_run(done_run, tmp_path):
 
 def test_retention_and_export(done_run):
     root = os.path.join(done_run, "checkpoint")
-    assert sorted(os.listdir(root)) == ["export-step-4", "step-2", "step-3"]
-    for name in ("step-3", "export-step-4"):
+    assert sorted(os.listdir(root)) == ["export-step-4", "step-3", "step-4"]
+    for name in ("step-4", "export-step-4"):
         assert folders.problem(os.path.join(root, name)) is None
         assert os.path.isfile(os.path.join(root, name, "config.toml"))
     assert folders.read_manifest(os.path.join(root, "export-step-4"))["kind"] == "export"
@@ -46,13 +46,13 @@ def test_retention_and_export(done_run):
 
 def test_resume_from_latest(done_run, tmp_path):
     copy_run(done_run, tmp_path)
-    assert run(tmp_path, "--training.steps", "4", *CKPT) == 0
-    assert len(losses(tmp_path)) == 1  # step 4 only: resumed from step-3
+    assert run(tmp_path, "--training.steps", "5", *CKPT) == 0
+    assert len(losses(tmp_path)) == 1  # step 5 only: resumed from step-4
 
 
 def test_bf16_export_loads_as_initial_weights(done_run, tmp_path):
     assert run(tmp_path / "a", "--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "5",
-               "--checkpoint.export_dtype", "bfloat16") == 0
+               "--checkpoint.last_save", "export_only", "--checkpoint.export_dtype", "bfloat16") == 0
     export = tmp_path / "a" / "checkpoint" / "export-step-2"
     from torchtitan.components.checkpoint import read_dcp_metadata
 
@@ -115,12 +115,12 @@ def test_missing_initial_folder(tmp_path, capsys):
 
 def test_truncated_file_is_skipped_then_refused(done_run, tmp_path, capsys):
     root = copy_run(done_run, tmp_path)
-    for step in (2, 3):
+    for step in (3, 4):
         with open(os.path.join(root, f"step-{step}", "__0_0.distcp"), "r+b") as f:
             f.truncate(100)
     # Both complete-looking folders are corrupt: refuse rather than silently restart from scratch.
     assert_refused(capsys, tmp_path, ["--training.steps", "5", *CKPT], "no usable checkpoint")
-    assert_refused(capsys, tmp_path, ["--training.steps", "5", *CKPT, "--checkpoint.load_step", "3"],
+    assert_refused(capsys, tmp_path, ["--training.steps", "5", *CKPT, "--checkpoint.load_step", "4"],
                    "truncated or corrupt")
 
 
@@ -168,8 +168,8 @@ class _Position:
 
 
 def small_manager(folder, model):
-    cfg = ConfigManager().parse_args(["--job.dump_folder", str(folder), "--checkpoint.enable",
-                                      "--checkpoint.async_mode", "async", "--checkpoint.last_save_model_only", "false"])
+    cfg = config_manager().parse_args(["--job.dump_folder", str(folder), "--checkpoint.enable",
+                                      "--checkpoint.async_mode", "async"])
     optimizers = build_optimizers([model], cfg.optimizer)
     return CheckpointManager(cfg, model_parts=[model], optimizers=optimizers,
                              lr_schedulers=build_lr_schedulers(optimizers, cfg.lr_scheduler, 10),

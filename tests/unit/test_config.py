@@ -155,6 +155,16 @@ def test_unknown_section_suggests_nearest(manager):
     assert "sections are job, model, training" in error_of(manager, ["--zzz.q", "3"])
 
 
+def test_retired_option_names_its_replacement(manager, tmp_path):
+    message = error_of(manager, ["--checkpoint.last_save_model_only", "true"])
+    assert message.startswith("option --checkpoint.last_save_model_only was retired; use --checkpoint.last_save (")
+    recipe = write(tmp_path, "[checkpoint]\nlast_save_model_only = true\n")
+    assert "checkpoint.last_save_model_only was retired" in error_of(manager, ["--job.config_file", recipe])
+    # The config saved beside an older checkpoint still loads for the tools (generate, convert).
+    saved = ConfigManager(skip_retired=True).parse_args(["--job.config_file", recipe])
+    assert saved.checkpoint.last_save == "full"
+
+
 def test_option_without_section(manager):
     message = error_of(manager, ["--seq_len", "3"])
     assert message == "option --seq_len must look like --section.key; did you mean --training.seq_len?"
@@ -217,7 +227,8 @@ def test_help_lists_every_option_with_doc_and_exits_zero(manager, capsys, flag):
     assert info.value.code == 0
     out = capsys.readouterr().out
     flat = " ".join(out.split())  # the docs are re-wrapped, so compare with whitespace collapsed
-    for name, section_cls in typing.get_type_hints(JobConfig).items():
+    hints = typing.get_type_hints(JobConfig)
+    for name, section_cls in ((f.name, hints[f.name]) for f in dataclasses.fields(JobConfig)):
         assert f"[{name}]" in out
         docs = field_docs(section_cls)
         for f in dataclasses.fields(section_cls):
@@ -248,7 +259,7 @@ def test_to_toml_round_trip(manager, tmp_path):
             "--lr_scheduler.decay_ratio", "0.25",
             "--parallelism.module_fqns_per_model_part", "tok_embeddings,layers.0;layers.1,norm,output",
             "--checkpoint.exclude_from_loading", "dataloader,lr_scheduler",
-            "--checkpoint.last_save_model_only", "false",
+            "--checkpoint.last_save", "full_and_export",
             "--compile.enable",
             "--compile.components", "",
             "--debug.seed", "7",

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from torchtitan.components.quantization import build_model_converters
-from torchtitan.config import ConfigManager
+from torchtitan.protocols.train_spec import config_manager
 from torchtitan.distributed.compile import check_compile_config
 from torchtitan.distributed.parallel_dims import parallel_dims_from_config
 
@@ -13,7 +13,7 @@ CPU = torch.device("cpu")
 
 
 def _cfg(*argv: str):
-    return ConfigManager().parse_args(list(argv))
+    return config_manager().parse_args(list(argv))
 
 
 def test_compile_settings():

@@ -26,7 +26,7 @@ def test_world_not_divisible_names_the_fix():
 
 def test_tp_must_divide_heads():
     with pytest.raises(LayoutError, match=r"tensor_parallel_degree 4 does not divide the model's n_kv_heads \(2\); degrees that fit: \[1, 2\]"):
-        dims(4, tp=4).check_model({"n_heads": 4, "n_kv_heads": 2})
+        dims(4, tp=4).check_model({"tp": {"n_heads": 4, "n_kv_heads": 2}})
 
 
 def test_seq_len_must_divide_by_cp_and_tp():

@@ -198,15 +198,16 @@ def _job(**parallelism):
 
 
 def _pipeline_llama(cfg, parallel_dims=None):
-    from torchtitan.models.llama3.parallelize import pipeline_llama
+    from torchtitan.distributed.pipeline import plan_model_pipeline
 
     with torch.device("meta"):
         model = Transformer(llama3_flavors["debugmodel_tiny4"])
-    return pipeline_llama(model, parallel_dims, cfg, torch.device("cpu"), None, None)
+    parallel_dims = parallel_dims or ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=2, world_size=2)
+    return plan_model_pipeline(model, parallel_dims, cfg)
 
 
-def test_pipelining_fn_checks_the_layout_before_building_anything():
-    """llama3's pipelining_fn plans first, so a bad layout fails before any stage or collective exists."""
+def test_pipeline_plan_checks_the_layout_before_building_anything():
+    """The plan of a model's pipeline (run by the job planner) fails before any stage or collective exists."""
     with pytest.raises(LayoutError, match="DualPipeV needs at least 2 x pipeline_parallel_degree"):
         _pipeline_llama(_job(pipeline_parallel_schedule="DualPipeV", pipeline_parallel_microbatch_size=2))
 

@@ -13,8 +13,6 @@ from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.state_dict_adapter import (
     Llama3StateDictAdapter,
     from_hf_config,
-    load_hf,
-    save_hf,
     to_hf_config,
 )
 
@@ -167,16 +165,16 @@ def test_8b_config_values(layout):
 
 def test_save_load_round_trip(tmp_path):
     sd = random_model().state_dict()
-    save_hf(sd, ARGS, str(tmp_path), dtype=torch.float32)
+    Llama3StateDictAdapter.save_hf(sd, ARGS, str(tmp_path), dtype=torch.float32)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config.get("dtype", config.get("torch_dtype")) == "float32"
-    loaded, args = load_hf(str(tmp_path))
+    loaded, args = Llama3StateDictAdapter.load_hf(str(tmp_path))
     assert args == dataclasses.replace(ARGS, ffn_hidden_dim=ARGS.hidden_dim, multiple_of=256, ffn_dim_multiplier=None)
     assert loaded.keys() == sd.keys()
     assert all(torch.equal(loaded[k], sd[k]) for k in sd)
     # bf16 export rounds but keeps the values.
-    save_hf(sd, ARGS, str(tmp_path / "bf16"))
-    loaded16, _ = load_hf(str(tmp_path / "bf16"))
+    Llama3StateDictAdapter.save_hf(sd, ARGS, str(tmp_path / "bf16"))
+    loaded16, _ = Llama3StateDictAdapter.load_hf(str(tmp_path / "bf16"))
     assert all(loaded16[k].dtype == torch.bfloat16 for k in sd)
     assert all(torch.equal(loaded16[k], sd[k].bfloat16()) for k in sd)
     # The loaded args build a model that accepts the weights.
@@ -196,7 +194,7 @@ def test_load_sharded_and_tied(tmp_path):
     weight_map = {k: file for file, keys in shards.items() for k in keys}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (tmp_path / "config.json").write_text(json.dumps(config))
-    loaded, _ = load_hf(str(tmp_path))
+    loaded, _ = Llama3StateDictAdapter.load_hf(str(tmp_path))
     assert loaded.keys() == sd.keys()
     assert torch.equal(loaded["output.weight"], sd["tok_embeddings.weight"])
     assert all(torch.equal(loaded[k], sd[k]) for k in sd if k != "output.weight")

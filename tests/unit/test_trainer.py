@@ -12,14 +12,15 @@ from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.datasets.dataloader import build_text_dataloader
 from torchtitan.train import main
-from torchtitan.train_spec import TrainSpec, get_train_spec, register_train_spec
+from torchtitan.protocols.model import BaseModelArgs
+from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
 TINY = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "64", "--training.local_batch_size", "4",
         "--training.mixed_precision_param", "float32", "--debug.seed", "3"]
 
 
 @dataclass
-class ToyArgs:
+class ToyArgs(BaseModelArgs):
     dim: int = 64
     vocab_size: int = 2048
     max_seq_len: int = 64
@@ -30,6 +31,8 @@ class ToyArgs:
 
 class ToyBigramMLP(nn.Module):
     """Predicts the next token from the current one only: nothing like Llama, same trainer."""
+
+    pipeline_head, pipeline_tail = ("tok_embeddings",), ("output",)
 
     def __init__(self, args: ToyArgs):
         super().__init__()

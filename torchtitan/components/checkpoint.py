@@ -30,9 +30,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components import checkpoint_folders as folders
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import save_config
+from torchtitan.protocols.state_dict_adapter import HFConfigMismatch
 from torchtitan.tools.logging import logger
+from torchtitan.tools.precision import DTYPES
 
-EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # DCP's CheckpointException derives from BaseException, so `except Exception` alone would miss it.
 DCP_ERRORS = (Exception, dcp.CheckpointException)
@@ -180,7 +181,8 @@ class _InFlight:
 
 class CheckpointManager:
     def __init__(
-        self, cfg: JobConfig, *, model_parts, optimizers, lr_schedulers, dataloader, train_state, hf_adapter=None
+        self, cfg: JobConfig, *, model_parts, optimizers, lr_schedulers, dataloader, train_state, hf_adapter=None,
+        model_args=None,
     ):
         self.cfg = cfg
         self.ckpt = cfg.checkpoint
@@ -188,6 +190,7 @@ class CheckpointManager:
         self.model = ModelWrapper(model_parts)
         self.model_parts = model_parts
         self.hf_adapter = hf_adapter
+        self.model_args = model_args  # what an HF folder's config.json must describe (initial_load_in_hf)
         self.states = {
             "model": self.model,
             "optimizer": optimizers,
@@ -281,6 +284,23 @@ class CheckpointManager:
             raise CheckpointError(
                 f"no usable checkpoint in {self.root} ({found}); move the folder(s) away to start from scratch"
             )
+        exports = folders.export_steps(self.root)
+        if choice.step is None and exports and not self.ckpt.initial_load_path:
+            # A finished run saved as an export only: starting over would silently redo (and overwrite) it,
+            # and continuing from the weights alone changes the run (fresh optimizer, data from the start,
+            # warmup again), so the user decides.
+            export = folders.export_folder(self.root, exports[-1])
+            raise CheckpointError(
+                f"{self.root} holds only the model-only export {export} (no full checkpoint to extend the run "
+                f"from); to continue from its weights with a fresh optimizer, data position and LR schedule, add "
+                f"--checkpoint.initial_load_path {export} --checkpoint.initial_load_model_only, or move the folder "
+                f"away to start over"
+            )
+        if choice.step is not None and exports and exports[-1] > choice.step and self.rank == 0:
+            logger.warning(
+                f"Resuming from step-{choice.step}: the newer export-step-{exports[-1]} holds weights only, so "
+                f"steps {choice.step + 1}-{exports[-1]} are trained again"
+            )
         return choice.step
 
     def _expected_model_shapes(self) -> dict[str, torch.Size]:
@@ -309,14 +329,10 @@ class CheckpointManager:
             raise CheckpointError(f"model {self.cfg.model.name} has no Hugging Face adapter; cannot load {path}")
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise CheckpointError(f"--checkpoint.initial_load_path {path}: not a Hugging Face folder (no config.json)")
-        from torchtitan.job_plan import resolve_model  # the job's model args; job_plan imports this module
-
         try:
-            full, _ = self.hf_adapter.load_hf(path, expected=resolve_model(self.cfg)[2])
-        except ValueError as e:
-            if type(e).__name__ == "HFConfigMismatch":  # a different model: its one line names the settings
-                raise CheckpointError(str(e)) from e
-            raise CheckpointError(f"cannot read Hugging Face checkpoint {path}: {type(e).__name__}: {_first_line(e)}") from e
+            full, _ = self.hf_adapter.load_hf(path, expected=self.model_args)
+        except HFConfigMismatch as e:  # another model: its one line names the settings
+            raise CheckpointError(str(e)) from e
         except Exception as e:  # safetensors / json errors of many kinds
             raise CheckpointError(
                 f"cannot read Hugging Face checkpoint {path}: {type(e).__name__}: {_first_line(e)}"
@@ -329,21 +345,25 @@ class CheckpointManager:
 
     # ---- saving -----------------------------------------------------------------------------------------
     def save(self, step: int, *, last: bool = False, force: bool = False) -> None:
-        """Saves at the interval, at the last step (an export when last_save_model_only) and when forced
-        (preemption). A step is saved at most once."""
+        """Saves the full state at the interval, when forced (preemption) and at the last step, where
+        `last_save` may add (or, export_only, write instead) the model-only export. A step is saved at most once."""
         if not self.ckpt.enable:
             return
         self._poll()
         if step == self._last_saved_step:
             return
-        if last and self.ckpt.last_save_model_only:
-            dtype = EXPORT_DTYPES[self.ckpt.export_dtype]
-            model = {k: v.to(dtype) for k, v in self.model.state_dict().items()}
-            self._write(os.path.join(self.root, f"export-step-{step}"), {"model": model}, step, "export")
-        elif last or force or step % self.ckpt.interval == 0:
-            self._write(folders.step_folder(self.root, step), self.states, step, "full")
+        if last:
+            full, export = self.ckpt.last_save != "export_only", self.ckpt.last_save != "full"
         else:
+            full, export = force or step % self.ckpt.interval == 0, False
+        if not (full or export):
             return
+        if full:
+            self._write(folders.step_folder(self.root, step), self.states, step, "full")
+        if export:
+            dtype = DTYPES[self.ckpt.export_dtype]
+            model = {k: v.to(dtype) for k, v in self.model.state_dict().items()}
+            self._write(folders.export_folder(self.root, step), {"model": model}, step, "export")
         self._last_saved_step = step
 
     def _write(self, final: str, states: dict, step: int, kind: str) -> None:
@@ -378,9 +398,11 @@ class CheckpointManager:
     def _finish(self, partial: str, final: str, info: dict) -> None:
         if self.rank == 0:
             finish_folder(partial, final, self.cfg, info)
-            logger.info(f"Saved checkpoint {final}")
             if info["kind"] == "full":
+                logger.info(f"Saved checkpoint {final}")
                 self._reclaimer.start(protect={info["step"]})
+            else:
+                logger.info(f"Saved model-only export {final} (weights for generation and conversion; not resumable)")
 
     def _poll(self) -> None:
         """Completes a background save that has finished, so it becomes visible (and survives a kill) early."""

@@ -3,6 +3,7 @@
     {root}/step-N.partial   being written (or a save that was interrupted): never loaded, never deleted here
     {root}/step-N           complete: DCP files + `.metadata` + `manifest.json` + `config.toml`
     {root}/step-N.reclaiming  being removed by retention (renamed first, so it can never look complete)
+    {root}/export-step-N      model weights only (checkpoint.last_save): for tools, never resumed from
 
 The manifest is written last, once every rank's files are on disk, and lists each file with its size; a
 folder whose files do not match it (truncated copy, half-deleted folder, lost file) is reported as corrupt.
@@ -22,6 +23,7 @@ import torch
 from torchtitan.tools.logging import logger
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+EXPORT_DIR = re.compile(r"^export-step-(\d+)$")
 PARTIAL = ".partial"
 RECLAIMING = ".reclaiming"
 MANIFEST = "manifest.json"
@@ -33,11 +35,24 @@ def step_folder(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step}")
 
 
-def named_steps(root: str) -> list[int]:
-    """Steps with a folder named complete (step-N), oldest first; their content is not checked here."""
+def export_folder(root: str, step: int) -> str:
+    return os.path.join(root, f"export-step-{step}")
+
+
+def _steps_named(root: str, pattern: re.Pattern) -> list[int]:
     if not os.path.isdir(root):
         return []
-    return sorted(int(m.group(1)) for name in os.listdir(root) if (m := STEP_DIR.match(name)))
+    return sorted(int(m.group(1)) for name in os.listdir(root) if (m := pattern.match(name)))
+
+
+def named_steps(root: str) -> list[int]:
+    """Steps with a folder named complete (step-N), oldest first; their content is not checked here."""
+    return _steps_named(root, STEP_DIR)
+
+
+def export_steps(root: str) -> list[int]:
+    """Steps with a model-only export (export-step-N), oldest first."""
+    return _steps_named(root, EXPORT_DIR)
 
 
 def leftovers(root: str, suffix: str) -> list[str]:

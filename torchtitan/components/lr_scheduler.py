@@ -14,6 +14,12 @@ With W = warmup_steps, T = total_steps, D = decay steps (see `decay_steps`) and 
 The first decay step still trains at 1.0 and the factor reaches `min_lr_factor` at step T, i.e. right after the
 last optimizer step; so no trainer step is wasted on a zero LR when min_lr_factor is 0 (the default).
 shape(p) is 1 - p (linear), 1 - sqrt(p) (sqrt) or (1 + cos(pi p)) / 2 (cosine).
+
+Extending a run (resuming with another training.steps) re-fits the schedule: the table is rebuilt for the new
+T, the restored step count indexes it, and the LR of the next step is the new table's at that step. Steps
+already taken are not replayed, so a run extended after its decay jumps back to the new schedule's LR at that
+point (with the default decay_ratio=None, e.g. 10 steps extended to 20 resumes at about half the peak). A
+schedule whose shape does not depend on T (warmup then constant: decay_ratio=0) extends seamlessly.
 """
 
 import functools
@@ -72,8 +78,9 @@ class LRSchedulersContainer:
     one: a checkpoint then resumes under a pipeline split with a different number of model parts.
     """
 
-    def __init__(self, schedulers: list[LambdaLR]) -> None:
+    def __init__(self, schedulers: list[LambdaLR], total_steps: int) -> None:
         self.schedulers = schedulers
+        self.total_steps = total_steps
 
     def step(self) -> None:
         for scheduler in self.schedulers:
@@ -87,13 +94,22 @@ class LRSchedulersContainer:
         return self.schedulers[0].state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved_lr = state_dict["_last_lr"][0]  # the LR the saved schedule gives the next step
         for scheduler in self.schedulers:
             # LambdaLR.load_state_dict pops "lr_lambdas" from the dict it gets, hence one copy per scheduler.
             scheduler.load_state_dict(dict(state_dict))
-            # LambdaLR restores its counters but not the optimizer's LR, which would stay at the value it was
-            # built with (or whatever an optimizer checkpoint held) until the next step().
-            for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+            # The restored step count indexes this run's schedule (re-fit when training.steps changed), and the
+            # optimizer's LR is set now: LambdaLR leaves it at the value it was built with until the next step().
+            lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+            scheduler._last_lr = lrs
+            for group, lr in zip(scheduler.optimizer.param_groups, lrs):
                 group["lr"] = lr
+        lr = self.get_last_lr()[0]
+        if lr != saved_lr:
+            logger.warning(
+                f"LR schedule re-fit to this run's settings ({self.total_steps} steps): step "
+                f"{self.schedulers[0].last_epoch + 1} trains at LR {lr:.4g}, the saved schedule's next LR was {saved_lr:.4g}"
+            )
 
 
 def check_schedule(cfg: LRSchedulerConfig, total_steps: int) -> None:
@@ -135,4 +151,4 @@ def build_lr_schedulers(
         decay_type=cfg.decay_type,
         min_lr_factor=cfg.min_lr_factor,
     )
-    return LRSchedulersContainer([LambdaLR(optimizer, factor) for optimizer in optimizers.optimizers])
+    return LRSchedulersContainer([LambdaLR(optimizer, factor) for optimizer in optimizers.optimizers], total_steps)

@@ -19,7 +19,8 @@ from torchtitan.components.checkpoint import (
     check_shapes,
     read_dcp_metadata,
 )
-from torchtitan.config import ConfigManager, JobConfig
+from torchtitan.config import JobConfig
+from torchtitan.protocols.train_spec import config_manager
 from torchtitan.job_plan import resolve_model
 
 
@@ -27,7 +28,7 @@ def job_config_of(checkpoint: str, overrides: list[str]) -> JobConfig:
     """The config `checkpoint` was written with (when it has one), then `overrides` (--section.key value)."""
     saved = os.path.join(checkpoint, folders.CONFIG)
     recipe = ["--job.config_file", saved] if os.path.isfile(saved) else []
-    return ConfigManager().parse_args(recipe + list(overrides))
+    return config_manager(skip_retired=True).parse_args(recipe + list(overrides))  # older runs' configs load too
 
 
 def build_cpu_model(cfg: JobConfig) -> tuple[nn.Module, object, object, object]:

@@ -67,8 +67,13 @@ class OptimizersContainer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a merged state dict; each part picks the keys of its own parameters by FQN."""
+        # The LR is the LR schedule's to set (it may be re-fit to a new training.steps, or not restored at
+        # all); the one saved here belongs to the saved schedule, so each group keeps its current LR.
+        lrs = [group["lr"] for group in self.param_groups]
         for model, optimizer in zip(self.model_parts, self.optimizers):
             set_optimizer_state_dict(model, optimizer, optim_state_dict=state_dict, options=_STATE_DICT_OPTIONS)
+        for group, lr in zip(self.param_groups, lrs):
+            group["lr"] = lr
 
 
 def _implementation_flags(implementation: str) -> dict[str, bool]:
@@ -99,8 +104,9 @@ def _check_fused_supported(optimizer_class: type[torch.optim.Optimizer], params:
             ) from e
 
 
-def build_optimizers(model_parts: list[nn.Module], cfg: OptimizerConfig) -> OptimizersContainer:
-    """One `cfg.name` optimizer per model part, over all of its trainable parameters.
+def build_optimizers(model_parts: list[nn.Module], cfg: OptimizerConfig, parallel_dims=None) -> OptimizersContainer:
+    """One `cfg.name` optimizer per model part, over all of its trainable parameters. (The default
+    `build_optimizers_fn` of a TrainSpec; `parallel_dims` is there for optimizers that need the layout.)
 
     Weight decay applies to every parameter, norms and embeddings included, as in torchtitan's reference
     recipes: exempting them changes the loss curves those recipes were tuned for.

@@ -5,7 +5,7 @@ user manual of every option. Key names follow torchtitan v0.2 so recipes and hab
 """
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 
 @dataclass
@@ -26,7 +26,7 @@ class Job:
 @dataclass
 class Model:
     name: str = "llama3"
-    """Registered model name (see torchtitan/train_spec.py); each model folder registers its own."""
+    """Registered model name (see torchtitan/protocols/train_spec.py); each model folder registers its own."""
 
     flavor: str = "debugmodel"
     """Size preset of the model, e.g. debugmodel, 8B, 70B, 405B for llama3."""
@@ -221,11 +221,14 @@ class Checkpoint:
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
     """Save in the background: async, or async with pinned-memory staging (CUDA only)."""
 
-    last_save_model_only: bool = True
-    """At the last step save the model weights only (an export), in `export_dtype`."""
+    last_save: Literal["full", "full_and_export", "export_only"] = "full"
+    """What the last step writes: `full` = the whole training state (`step-N`; rerunning with more
+    --training.steps extends the run); `full_and_export` = that and the model weights alone (`export-step-N`,
+    in export_dtype, for generation and conversion); `export_only` = the export alone (smaller, but the run
+    cannot be extended: a rerun refuses and names the options that continue from the export's weights)."""
 
     export_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of the model-only export."""
+    """Dtype of the model-only export (export-step-N)."""
 
     initial_load_path: str | None = None
     """Checkpoint to start from when the run folder has none (e.g. a seed checkpoint or a converted model)."""
@@ -339,6 +342,12 @@ class Debug:
 
 @dataclass
 class JobConfig:
+    # Options that no longer exist -> what replaces them (the config loader's error message names it).
+    RETIRED_OPTIONS: ClassVar[dict[str, str]] = {
+        "checkpoint.last_save_model_only": "checkpoint.last_save (true was export_only; full keeps the run "
+        "extendable, full_and_export writes both)",
+    }
+
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)

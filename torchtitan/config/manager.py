@@ -269,35 +269,70 @@ def _either(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
 
 
+def _schema(config_cls: type) -> dict[str, dict[str, _Option]]:
+    """Section -> key -> option, read from `config_cls` (a dataclass of section dataclasses)."""
+    sections: dict[str, dict[str, _Option]] = {}
+    defaults = config_cls()
+    section_types = typing.get_type_hints(config_cls)
+    for section in dataclasses.fields(config_cls):
+        section_cls = section_types[section.name]
+        if not (isinstance(section_cls, type) and dataclasses.is_dataclass(section_cls)):
+            raise TypeError(f"{config_cls.__name__}.{section.name} must be a dataclass section")
+        key_types = typing.get_type_hints(section_cls)
+        docs = field_docs(section_cls)
+        options = {}
+        for f in dataclasses.fields(section_cls):
+            _type_name(key_types[f.name])  # fail here, not on first use, for an unsupported type
+            options[f.name] = _Option(
+                section.name,
+                f.name,
+                key_types[f.name],
+                getattr(getattr(defaults, section.name), f.name),
+                docs.get(f.name, ""),
+            )
+        sections[section.name] = options
+    return sections
+
+
+def _option_value(argv: list[str], flag: str) -> str | None:
+    """The last value given to `flag` (as `flag VALUE` or `flag=VALUE`), or None."""
+    value = None
+    for i, token in enumerate(argv):
+        if token == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif token.startswith(flag + "="):
+            value = token[len(flag) + 1 :]
+    return value
+
+
+def _recipe_model_name(path: str) -> str | None:
+    try:
+        with open(path, "rb") as stream:
+            name = tomllib.load(stream).get("model", {}).get("name")
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError, AttributeError):
+        return None
+    return name if isinstance(name, str) else None
+
+
 class ConfigManager:
     """Parses command lines and TOML recipes into instances of `config_cls`.
 
     `config_cls` is a dataclass whose every field is a section dataclass with default values, like JobConfig.
     """
 
-    def __init__(self, config_cls: type = JobConfig, prog: str = "torchtitan") -> None:
+    def __init__(
+        self, config_cls: type = JobConfig, prog: str = "torchtitan", model_section=None, *, skip_retired: bool = False
+    ) -> None:
+        """`model_section(model_name) -> (section name, dataclass) | None` names the config section a model
+        brings (torchtitan.protocols.train_spec.config_manager() passes the model registry's); the section
+        joins the schema once the job's model name is known. `skip_retired`: a TOML file may hold options
+        retired since (`config_cls.RETIRED_OPTIONS`) and they are ignored: for reading the config a checkpoint
+        was saved with, not for recipes a person edits."""
         self.config_cls = config_cls
         self.prog = prog
-        self._sections: dict[str, dict[str, _Option]] = {}
-        defaults = config_cls()
-        section_types = typing.get_type_hints(config_cls)
-        for section in dataclasses.fields(config_cls):
-            section_cls = section_types[section.name]
-            if not (isinstance(section_cls, type) and dataclasses.is_dataclass(section_cls)):
-                raise TypeError(f"{config_cls.__name__}.{section.name} must be a dataclass section")
-            key_types = typing.get_type_hints(section_cls)
-            docs = field_docs(section_cls)
-            options = {}
-            for f in dataclasses.fields(section_cls):
-                _type_name(key_types[f.name])  # fail here, not on first use, for an unsupported type
-                options[f.name] = _Option(
-                    section.name,
-                    f.name,
-                    key_types[f.name],
-                    getattr(getattr(defaults, section.name), f.name),
-                    docs.get(f.name, ""),
-                )
-            self._sections[section.name] = options
+        self._model_section = model_section
+        self._skip_retired = skip_retired
+        self._sections = _schema(config_cls)
 
     # -- public API -------------------------------------------------------------------------------------
 
@@ -307,6 +342,9 @@ class ConfigManager:
         `-h`/`--help` prints the help to stdout and raises SystemExit(0); bad input raises ConfigError.
         """
         argv = sys.argv[1:] if argv is None else list(argv)
+        config_cls = self._with_model_section(argv)
+        if config_cls is not self.config_cls:
+            self.config_cls, self._sections = config_cls, _schema(config_cls)
         if "-h" in argv or "--help" in argv:
             print(self.help_text())
             raise SystemExit(0)
@@ -342,6 +380,30 @@ class ConfigManager:
                         break_long_words=False,
                     )
         return "\n".join(lines)
+
+    # -- model sections -----------------------------------------------------------------------------------
+
+    def _with_model_section(self, argv: list[str]) -> type:
+        """`config_cls`, extended by the section of the job's model when it brings one. The model name is
+        read ahead of parsing (command line, else recipe, else default); errors in either are left for the
+        real parse to report."""
+        if self._model_section is None or "name" not in self._sections.get("model", {}):
+            return self.config_cls
+        name = _option_value(argv, "--model.name")
+        if name is None:
+            recipe = _option_value(argv, f"--{_RECIPE_SECTION}.{_RECIPE_KEY}")
+            if recipe is None and argv and not argv[0].startswith("-"):
+                recipe = argv[0]
+            name = _recipe_model_name(recipe) if recipe else None
+        section = self._model_section(name or self._sections["model"]["name"].default)
+        if section is None or section[0] in self._sections:
+            return self.config_cls
+        section_name, section_cls = section
+        return dataclasses.make_dataclass(
+            f"{self.config_cls.__name__}_{section_name}",
+            [(section_name, section_cls, dataclasses.field(default_factory=section_cls))],
+            bases=(self.config_cls,),
+        )
 
     # -- command line -----------------------------------------------------------------------------------
 
@@ -379,6 +441,8 @@ class ConfigManager:
 
     def _lookup(self, name: str, prefix: str = "--") -> _Option:
         """The option `section.key`, or a ConfigError naming the nearest valid ones."""
+        if name in self._retired():
+            raise ConfigError(f"option {prefix}{name} was retired; use {prefix}{self._retired()[name]}")
         section, dot, key = name.partition(".")
         if not dot or not section or not key:
             holders = [f"{prefix}{s}.{name}" for s, options in self._sections.items() if name in options]
@@ -390,6 +454,9 @@ class ConfigManager:
         if key not in self._sections[section]:
             raise ConfigError(f"unknown option {prefix}{name}{self._key_hint(section, key, prefix)}")
         return self._sections[section][key]
+
+    def _retired(self) -> dict[str, str]:
+        return getattr(self.config_cls, "RETIRED_OPTIONS", {})
 
     def _section_hint(self, section: str, key: str | None, prefix: str) -> str:
         close = difflib.get_close_matches(section, list(self._sections), n=3)
@@ -436,6 +503,8 @@ class ConfigManager:
             if not isinstance(table, dict):
                 raise ConfigError(f"[{section}] must be a table of options, got {table!r}")
             for key, value in table.items():
+                if self._skip_retired and f"{section}.{key}" in self._retired():
+                    continue
                 option = self._lookup(f"{section}.{key}", prefix="")
                 try:
                     assignments.append((option, _convert_toml(value, option.tp)))

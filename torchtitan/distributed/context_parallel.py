@@ -74,12 +74,19 @@ def shard_sequence(x: torch.Tensor, dim: int, cp_size: int, cp_rank: int) -> tor
     return x.index_select(dim, index)
 
 
-def shard_batch(batch: tuple[torch.Tensor, ...], cp_rank: int, cp_size: int) -> tuple[torch.Tensor, ...]:
-    """This rank's slice of [B, S] tensors that go together (inputs and labels): the same load-balanced
-    positions of each, so every kept label stays next to its input. The batch as given when cp_size is 1."""
+def shard_batch(batch: tuple, cp_rank: int, cp_size: int) -> tuple:
+    """This rank's slice of [B, S] tensors that go together (inputs and labels; inputs may be a dict of
+    tensors such as tokens and document ids): the same load-balanced positions of each, so every kept label
+    stays next to its input. The batch as given when cp_size is 1."""
     if cp_size == 1:
         return batch
-    return tuple(shard_sequence(t, 1, cp_size, cp_rank) for t in batch)
+
+    def shard(x):
+        if isinstance(x, dict):
+            return {k: shard(v) for k, v in x.items()}
+        return shard_sequence(x, 1, cp_size, cp_rank)
+
+    return tuple(shard(t) for t in batch)
 
 
 def unshard_sequence(local_shards: list[torch.Tensor], dim: int) -> torch.Tensor:

@@ -19,6 +19,16 @@ class LayoutError(ValueError):
     """An impossible parallel layout; the message names the numbers and a layout that would fit."""
 
 
+# The config option of each mesh dimension's degree, for messages.
+_DEGREE_NAMES = {
+    "dp_replicate": "data_parallel_replicate_degree",
+    "dp_shard": "data_parallel_shard_degree",
+    "cp": "context_parallel_degree",
+    "tp": "tensor_parallel_degree",
+    "pp": "pipeline_parallel_degree",
+}
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -85,14 +95,18 @@ class ParallelDims:
         return self.cp > 1
 
     # ---- validation against the model and data -----------------------------------------------------------
-    def check_model(self, shape: dict[str, int]) -> None:
-        """Tensor parallel splits heads, kv heads and the model dim: each must divide by the TP degree."""
-        if self.tp > 1:
+    def check_model(self, divisible_by: dict[str, dict[str, int]]) -> None:
+        """The model's shapes that a parallel degree splits must divide by it: `divisible_by` maps a mesh
+        dimension (e.g. "tp") to {field: value} (the model args' `divisible_by()`)."""
+        for dim, shape in divisible_by.items():
+            degree = getattr(self, dim)
+            if degree <= 1:
+                continue
             for what, n in shape.items():
-                if n % self.tp:
+                if n % degree:
                     fits = [d for d in _divisors(n) if d <= self.world_size and self.world_size % d == 0]
                     raise LayoutError(
-                        f"tensor_parallel_degree {self.tp} does not divide the model's {what} ({n}); "
+                        f"{_DEGREE_NAMES.get(dim, dim)} {degree} does not divide the model's {what} ({n}); "
                         f"degrees that fit: {fits}"
                     )
 

@@ -11,10 +11,10 @@ checkpoints move between pipelined and non-pipelined runs.
 Placement: loop-style schedules put stage s on pp rank s % pp; V-shaped ones (ZBVZeroBubble, DualPipeV)
 put stages r and 2*pp-1-r on rank r, so rank 0 holds both the first and the last stage.
 
-Loss scaling: the trainer's loss function already divides each microbatch's summed token loss by the
-token count of the whole optimizer step, so gradients summed over microbatches are the step's mean. The
-schedules are therefore built with scale_grads=False; torch's default (True) would divide the gradients
-by n_microbatches a second time.
+Loss scaling: `Pipeline.step` takes the step's global token count as an argument and the schedule's loss
+divides each microbatch's summed token loss by it, so gradients summed over microbatches are the step's
+mean. The schedules are therefore built with scale_grads=False; torch's default (True) would divide the
+gradients by n_microbatches a second time. `Pipeline.eval` uses the plain sum.
 
 Gradient accumulation: one schedule step consumes one local batch (local_batch_size sequences split into
 local_batch_size / pipeline_parallel_microbatch_size microbatches); when global_batch_size asks for more
@@ -43,6 +43,7 @@ from torch.distributed.pipelining.schedules import (
 
 from torchtitan.components.loss import loss_value
 from torchtitan.distributed.parallel_dims import LayoutError
+from torchtitan.protocols.model import split_inputs
 
 # Schedules by how many stages each rank holds and where they sit.
 SINGLE_STAGE = ("GPipe", "1F1B")
@@ -249,6 +250,18 @@ def split_stage(model: nn.Module, keep: Sequence[str], head: Sequence[str], tail
     return stage
 
 
+class _DivisorLoss:
+    """The schedule's loss: the model's summed token loss over a divisor that `Pipeline` sets for the
+    duration of one schedule call (torch's schedules take the loss function once, at construction)."""
+
+    def __init__(self, loss_fn: Callable):
+        self.loss_fn = loss_fn
+        self.divisor: torch.Tensor | float = 1.0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(logits, labels) / self.divisor
+
+
 def build_schedule(plan: PipelinePlan, stages: list[PipelineStage], loss_fn: Callable) -> _PipelineSchedule:
     cls = get_schedule_class(plan.schedule)
     # scale_grads=False: loss_fn is already normalised by the step's token count (see the module docstring).
@@ -257,21 +270,50 @@ def build_schedule(plan: PipelinePlan, stages: list[PipelineStage], loss_fn: Cal
     return cls(stages, n_microbatches=plan.n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
-def pipeline_model(
-    model: nn.Module,
-    parallel_dims,
-    job_config,
-    device: torch.device,
-    loss_fn: Callable,
-    *,
-    parallelize_fn: Callable,
-    head: Sequence[str],
-    tail: Sequence[str],
-) -> tuple[_PipelineSchedule, list[nn.Module]]:
-    """Splits a meta model into this rank's stages, parallelises each with `parallelize_fn` (the same
-    function a whole model gets), and returns (schedule, stage modules in stage order)."""
-    order = module_order(model, head, tail)
-    plan = plan_pipeline(job_config.parallelism, order, len(head), len(tail), job_config.training.local_batch_size)
+@dataclasses.dataclass
+class Pipeline:
+    """This rank's pipeline stages and the schedule that runs them."""
+
+    plan: PipelinePlan
+    schedule: _PipelineSchedule
+    parts: list[nn.Module]
+    """The stage modules this rank holds, in stage order."""
+    loss: _DivisorLoss
+    group: dist.ProcessGroup
+    """The pp process group."""
+
+    def step(self, inputs, labels: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one local batch; returns the batch's token-loss sum over `divisor` (the
+        step's global token count) on every pp rank. Every pp rank passes the same batch: the first stage
+        reads the inputs, the last the labels."""
+        tokens, extra = split_inputs(inputs)
+        losses: list[torch.Tensor] = []
+        self.loss.divisor = divisor
+        try:
+            self.schedule.step(tokens, target=labels, losses=losses, return_outputs=False, **extra)
+        finally:
+            self.loss.divisor = 1.0
+        return self._on_every_stage(losses, labels.device)
+
+    def eval(self, inputs, labels: torch.Tensor) -> torch.Tensor:
+        """Forward only; returns the summed token loss of the batch on every pp rank."""
+        tokens, extra = split_inputs(inputs)
+        losses: list[torch.Tensor] = []
+        with _forward_only(self.schedule):
+            self.schedule.eval(tokens, target=labels, losses=losses, **extra)
+        return self._on_every_stage(losses, labels.device)
+
+    def _on_every_stage(self, losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """Sum of the last stage's microbatch losses, on every pp rank (the others contribute zero)."""
+        total = torch.zeros((), device=device)
+        for loss in losses:
+            total += loss_value(loss)
+        dist.all_reduce(total, group=self.group)
+        return total
+
+
+def check_pipeline(plan: PipelinePlan, parallel_dims, job_config) -> None:
+    """What a pipeline plan must satisfy beyond its own shape (called by the job planner)."""
     v = job_config.validation
     if v.enable and v.local_batch_size % plan.n_microbatches:
         raise LayoutError(
@@ -289,6 +331,34 @@ def pipeline_model(
             f"{plan.schedule} cannot run with --parallelism.fsdp_reshard_after_forward always (its weight-gradient "
             f"pass needs the stage's parameters still gathered); use default or never"
         )
+
+
+def plan_model_pipeline(model: nn.Module, parallel_dims, job_config) -> PipelinePlan:
+    """The checked pipeline plan of a (meta) model that follows the model protocol."""
+    order = module_order(model, model.pipeline_head, model.pipeline_tail)
+    plan = plan_pipeline(
+        job_config.parallelism,
+        order,
+        len(model.pipeline_head),
+        len(model.pipeline_tail),
+        job_config.training.local_batch_size,
+    )
+    check_pipeline(plan, parallel_dims, job_config)
+    return plan
+
+
+def pipeline_model(
+    model: nn.Module,
+    parallel_dims,
+    job_config,
+    device: torch.device,
+    parallelize_fn: Callable,
+    loss_fn: Callable,
+) -> Pipeline:
+    """Splits a meta model into this rank's stages, parallelises each with `parallelize_fn` (the same
+    function a whole model gets), and builds the schedule. `loss_fn` returns the summed token loss."""
+    plan = plan_model_pipeline(model, parallel_dims, job_config)
+    head, tail = model.pipeline_head, model.pipeline_tail
     pp_mesh = parallel_dims.submesh("pp")
     pp_rank = pp_mesh.get_local_rank()
     parts, stages = [], []
@@ -298,27 +368,8 @@ def pipeline_model(
         # No example inputs: the stages infer activation shapes from the first microbatch (and again when
         # switching between training and validation), including sequence-sharded hidden states under TP.
         stages.append(PipelineStage(part, s, plan.num_stages, device, group=pp_mesh.get_group()))
-    return build_schedule(plan, stages, loss_fn), parts
-
-
-def _on_every_stage(trainer, losses: list[torch.Tensor]) -> torch.Tensor:
-    """Sum of the last stage's microbatch losses, on every pp rank (the others contribute zero)."""
-    total = torch.zeros((), device=trainer.device)
-    for loss in losses:
-        total += loss_value(loss)
-    dist.all_reduce(total, group=trainer.parallel_dims.submesh("pp").get_group())
-    return total
-
-
-def run_pipeline_step(trainer, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Forward and backward of one local batch through the schedule; returns its scaled loss (the sum of
-    the microbatches' token losses over the step's global token count) on every pp rank.
-
-    Every pp rank passes the same batch: the first stage reads the inputs, the last the labels."""
-    losses: list[torch.Tensor] = []
-    with trainer.autocast, trainer._loss_context():
-        trainer.pp_schedule.step(inputs, target=labels, losses=losses, return_outputs=False)
-    return _on_every_stage(trainer, losses)
+    loss = _DivisorLoss(loss_fn)
+    return Pipeline(plan, build_schedule(plan, stages, loss), parts, loss, pp_mesh.get_group())
 
 
 _FORWARD_ACTIONS = {
@@ -352,14 +403,3 @@ def _forward_only(schedule: _PipelineSchedule):
         yield
     finally:
         schedule.pipeline_order_with_comms = full
-
-
-def run_pipeline_eval(trainer, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Forward only; returns the summed token loss of the batch on every pp rank."""
-    losses: list[torch.Tensor] = []
-    # The schedule's loss function is the trainer's scaled loss; a divisor of 1 makes it the plain sum.
-    # train_step sets the divisor afresh before every training step.
-    trainer._global_tokens = torch.ones((), device=trainer.device)
-    with trainer.autocast, trainer._loss_context(), _forward_only(trainer.pp_schedule):
-        trainer.pp_schedule.eval(inputs, target=labels, losses=losses)
-    return _on_every_stage(trainer, losses)

@@ -49,7 +49,8 @@ class ModelConverters:
         for c in self.converters:
             c.convert(model)
 
-    def post_optimizer_hook(self, model_parts: list[nn.Module]) -> None:
+    def post_optimizer_hook(self, model_parts: list[nn.Module], parallel_dims: ParallelDims) -> None:
+        """Runs each converter's hook; shaped like a TrainSpec's post_optimizer_step_fns."""
         for c in self.converters:
             c.post_optimizer_hook(model_parts)
 

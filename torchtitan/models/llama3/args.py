@@ -3,6 +3,8 @@
 import math
 from dataclasses import dataclass
 
+from torchtitan.protocols.model import BaseModelArgs
+
 
 @dataclass
 class RopeScalingArgs:
@@ -16,7 +18,7 @@ class RopeScalingArgs:
 
 
 @dataclass
-class TransformerModelArgs:
+class TransformerModelArgs(BaseModelArgs):
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
@@ -58,3 +60,10 @@ class TransformerModelArgs:
         plus the attention score and value matmuls, which have no parameters: 2 matmuls x 2 FLOPs x 3
         (fwd+bwd) x n_layers x n_heads x head_dim x seq_len. The causal half is not discounted."""
         return 6 * num_non_embedding_params + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+
+    def divisible_by(self) -> dict[str, dict[str, int]]:
+        """Tensor parallel splits the heads, the kv heads, the model dim (sequence-parallel norms see whole
+        rows, but the embedding is split row-wise over the vocabulary) and the vocabulary (loss parallel)."""
+        return {
+            "tp": {"n_heads": self.n_heads, "n_kv_heads": self.num_kv_heads, "dim": self.dim, "vocab_size": self.vocab_size}
+        }

@@ -127,6 +127,11 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
+    # The modules before and after `layers` (protocols.model.ModelProtocol): a pipeline's first stage holds
+    # the embedding, its last the final norm and output.
+    pipeline_head = ("tok_embeddings",)
+    pipeline_tail = ("norm", "output")
+
     def __init__(self, args: TransformerModelArgs):
         super().__init__()
         self.model_args = args

@@ -22,7 +22,6 @@ from torchtitan.distributed.compile import apply_compile, check_compile_config, 
 from torchtitan.distributed.context_parallel import ContextParallelAttention, RotateMethod, load_balanced_indices
 from torchtitan.distributed.data_parallel import apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline import pipeline_model
 from torchtitan.tools.precision import DTYPES
 
 
@@ -67,21 +66,6 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             pp_enabled=pd.pp_enabled,
         )
     return model
-
-
-def pipeline_llama(model, parallel_dims, job_config, device, model_args, loss_fn):
-    """Pipeline stages of a Llama 3 model, each parallelised like a whole model by parallelize_llama
-    (so PP x TP x FSDP is one composition). The embedding leads, the final norm and output close."""
-    return pipeline_model(
-        model,
-        parallel_dims,
-        job_config,
-        device,
-        loss_fn,
-        parallelize_fn=parallelize_llama,
-        head=("tok_embeddings",),
-        tail=("norm", "output"),
-    )
 
 
 def _tp_styles(float8: bool) -> tuple[type, type, type]:

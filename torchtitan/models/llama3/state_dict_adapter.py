@@ -7,14 +7,12 @@ compute exactly ours (q.k is unchanged when q and k rows are permuted alike).
 """
 
 import importlib.metadata
-import json
-import os
 import re
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from torchtitan.models.llama3.args import RopeScalingArgs, TransformerModelArgs
+from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 # Inside `layers.{i}.` (ours) <-> inside `model.layers.{i}.` (HF).
 _LAYER_KEYS = {
@@ -48,9 +46,16 @@ def _half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.unflatten(0, (n_heads, 2, -1)).transpose(1, 2).reshape(w.shape)
 
 
-class Llama3StateDictAdapter:
-    def __init__(self, args: TransformerModelArgs):
-        self.args = args
+class Llama3StateDictAdapter(StateDictAdapter):
+    args: TransformerModelArgs
+
+    @staticmethod
+    def to_hf_config(args: TransformerModelArgs, dtype: torch.dtype = torch.bfloat16) -> dict:
+        return to_hf_config(args, dtype)
+
+    @staticmethod
+    def from_hf_config(config: dict) -> TransformerModelArgs:
+        return from_hf_config(config)
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Our FQNs -> HF names; works on any subset (e.g. one pipeline stage's state dict)."""
@@ -188,85 +193,3 @@ def from_hf_config(config: dict) -> TransformerModelArgs:
         rope_scaling=rope_scaling,
         max_seq_len=config["max_position_embeddings"],
     )
-
-
-# (HF config name, how our args give it): every shape and numeric setting the model computes with. The RoPE
-# table length (max_position_embeddings) is not one: it only bounds the positions a model may be given.
-_COMPARED = {
-    "hidden_size": lambda a: a.dim,
-    "num_hidden_layers": lambda a: a.n_layers,
-    "num_attention_heads": lambda a: a.n_heads,
-    "num_key_value_heads": lambda a: a.num_kv_heads,
-    "head_dim": lambda a: a.head_dim,
-    "intermediate_size": lambda a: a.hidden_dim,
-    "vocab_size": lambda a: a.vocab_size,
-    "rope_theta": lambda a: a.rope_theta,
-    "rope_scaling": lambda a: a.rope_scaling,
-    "rms_norm_eps": lambda a: a.norm_eps,
-}
-
-
-class HFConfigMismatch(ValueError):
-    """An HF folder's config.json describes another model than the one the job builds."""
-
-
-def check_hf_config(folder: str, hf_args: TransformerModelArgs, expected: TransformerModelArgs) -> None:
-    """Raises HFConfigMismatch, one line naming each differing setting with both values, when the HF folder's model
-    is not the one the job builds (a different rope_theta would otherwise load silently: same shapes)."""
-    diffs = [
-        f"{name} {get(hf_args)} in the folder vs {get(expected)} in the model"
-        for name, get in _COMPARED.items()
-        if get(hf_args) != get(expected)
-    ]
-    if diffs:
-        raise HFConfigMismatch(
-            f"Hugging Face config {os.path.join(folder, 'config.json')} does not match the model: {'; '.join(diffs)}; "
-            f"pick the --model.flavor (and tokenizer) the folder was made for"
-        )
-
-
-def save_hf(
-    state_dict: dict[str, torch.Tensor],
-    args: TransformerModelArgs,
-    folder: str,
-    dtype: torch.dtype = torch.bfloat16,
-) -> None:
-    """Write `config.json` + a single `model.safetensors` loadable by `LlamaForCausalLM.from_pretrained`.
-    `state_dict` holds full (not sharded) tensors with our FQNs."""
-    os.makedirs(folder, exist_ok=True)
-    hf = Llama3StateDictAdapter(args).to_hf(state_dict)
-    tensors = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in hf.items()}
-    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(to_hf_config(args, dtype), f, indent=2)
-
-
-def load_hf(
-    folder: str, expected: TransformerModelArgs | None = None
-) -> tuple[dict[str, torch.Tensor], TransformerModelArgs]:
-    """Read an HF Llama folder (single or sharded safetensors) into our FQNs and args. Tensors keep the
-    stored dtype. Tied embeddings (Llama 3.2 small models) are untied by copying into `output.weight`, which
-    computes the same logits. With `expected` (the args of the model to load into), a config that differs in
-    any setting the model computes with is refused (check_hf_config) before any weight is read."""
-    with open(os.path.join(folder, "config.json")) as f:
-        config = json.load(f)
-    args = from_hf_config(config)
-    if expected is not None:
-        check_hf_config(folder, args, expected)
-    index_path = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.exists(index_path):
-        with open(index_path) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    hf: dict[str, torch.Tensor] = {}
-    for name in files:
-        hf.update(load_file(os.path.join(folder, name)))
-    if config.get("tie_word_embeddings") and "lm_head.weight" not in hf:
-        hf["lm_head.weight"] = hf["model.embed_tokens.weight"].clone()
-    return Llama3StateDictAdapter(args).from_hf(hf), args
-
-
-# The train spec names the adapter class only; these make its Hugging Face file I/O reachable through it.
-Llama3StateDictAdapter.save_hf = staticmethod(save_hf)
-Llama3StateDictAdapter.load_hf = staticmethod(load_hf)
