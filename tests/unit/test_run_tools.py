@@ -9,10 +9,18 @@ import pytest
 
 from torchtitan.components.metrics import MetricsLogger
 from torchtitan.config.job_config import Metrics
+from torchtitan.tools.logging import logger
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import loss_compare  # noqa: E402
 import plot_metrics  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def quiet_console(monkeypatch):
+    """The runs below log console lines; a handler an earlier test left on a closed stream must not answer."""
+    monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(logger, "propagate", False)
 
 
 def write_run(folder, losses, *, validation_at=None):
