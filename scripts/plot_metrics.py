@@ -48,7 +48,7 @@ def plot(runs: list[str], labels: list[str], output: str) -> None:
         if log:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize="small")
+    axes[0].legend(fontsize="small", loc="best")
     fig.savefig(output, dpi=80)
     plt.close(fig)
 
