@@ -33,7 +33,7 @@ extras=""
 if ! "$PYTHON" - "${1:-}" <<'PY' 2>/dev/null
 import importlib.metadata as md, importlib.util as u, sys
 md.version("torchtitan")  # installed (editable) in this environment
-mods = ["torchdata", "tiktoken", "sentencepiece", "datasets", "safetensors", "tensorboard", "wandb"]
+mods = ["torchdata", "tiktoken", "sentencepiece", "datasets", "safetensors", "tensorboard", "wandb", "numpy", "tqdm"]
 mods += ["tomllib" if sys.version_info >= (3, 11) else "tomli"]
 if sys.argv[1] == "test":
     mods += ["pytest", "torchao", "transformers", "matplotlib"]  # float8, HF interop and plot tests

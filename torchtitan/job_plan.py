@@ -42,24 +42,25 @@ class JobPlan:
     """The dtypes the job trains in on its device ("auto" resolved)."""
 
 
-def resolve_model(cfg: JobConfig) -> tuple[TrainSpec, object, object]:
+def resolve_model(cfg: JobConfig, tokenizer: object | None = None) -> tuple[TrainSpec, object, object]:
     """(train spec, tokenizer, model args) of a job: the flavor's shape resized for the job (the tokenizer's
     vocabulary, room for the recipe's seq_len; see BaseModelArgs.update_from_job). Also used offline
     (conversion, generation) from a checkpoint's saved config, so a model is rebuilt with exactly the shape
-    it was trained with."""
+    it was trained with. A caller without the tokenizer file (the dry run) passes a stand-in `tokenizer` with
+    the `vocab_size` to plan for."""
     spec = get_train_spec(cfg.model.name)
     flavor = get_flavor(spec, cfg.model.flavor)
-    tokenizer = spec.build_tokenizer_fn(cfg)
+    tokenizer = tokenizer if tokenizer is not None else spec.build_tokenizer_fn(cfg)
     return spec, tokenizer, flavor.update_from_job(cfg, tokenizer)
 
 
-def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
+def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -> JobPlan:
     """Resolves the model, tokenizer and layout, and checks everything that can fail a job.
 
     Raises one of torchtitan.errors.USER_ERRORS with one clear line. No process group is needed.
     """
     check_job_values(cfg)
-    spec, tokenizer, model_args = resolve_model(cfg)
+    spec, tokenizer, model_args = resolve_model(cfg, tokenizer)
     pd = parallel_dims_from_config(cfg.parallelism, world_size)
     pd.check_model(model_args.divisible_by())
     t = cfg.training

@@ -19,7 +19,13 @@ import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.components import checkpoint as ckpt
-from torchtitan.components.loss import IGNORE_INDEX, loss_value
+from torchtitan.components.loss import (
+    IGNORE_INDEX,
+    loss_value,
+    per_source_loss_sums,
+    per_source_metrics,
+    pop_source_ids,
+)
 from torchtitan.components.metrics import MetricsLogger, throughput_metrics
 from torchtitan.components.train_state import TrainState
 from torchtitan.config import JobConfig
@@ -69,6 +75,7 @@ class Trainer:
 
         # ---- data --------------------------------------------------------------------------------------
         self.dataloader = self._build_dataloader("train", cfg.training.local_batch_size, infinite=True)
+        self.source_names = getattr(self.dataloader.dataset, "source_names", [])
 
         # ---- model: meta (converted by the plan) ─▶ parallelize ─▶ weights ----------------------------------
         model, self.converters = plan.model, plan.converters
@@ -192,7 +199,9 @@ class Trainer:
         global_tokens = self.global_token_count(microbatches)
         loss_sum = torch.zeros((), device=self.device)
         model_metrics: dict[str, torch.Tensor] = {}
+        self._source_sums = None  # a mixture's [2, sources] loss sums and token counts (not under PP)
         for i, (inputs, labels) in enumerate(microbatches):
+            inputs, source_ids = pop_source_ids(inputs)
             last = i == len(microbatches) - 1
             for m in self.model_parts:
                 if hasattr(m, "set_requires_gradient_sync"):
@@ -207,6 +216,9 @@ class Trainer:
                     token_loss = token_loss + out.aux_loss
                 loss = token_loss / global_tokens
                 loss.backward()
+                if source_ids is not None:
+                    sums = per_source_loss_sums(out.logits.detach(), labels, source_ids, len(self.source_names))
+                    self._source_sums = sums if self._source_sums is None else self._source_sums + sums
             loss_sum += loss_value(loss)
             for k, v in out.metrics.items():
                 model_metrics[k] = model_metrics.get(k, 0) + v.detach() / len(microbatches)
@@ -328,6 +340,9 @@ class Trainer:
                         **self.memory.get_peak_stats(),
                         **self._model_metrics(model_metrics),
                     }
+                    if self._source_sums is not None:  # loss/<source> over every rank's tokens of the step
+                        sums = self._reduce_over(self._source_sums, "dp_cp")
+                        metrics.update(per_source_metrics(sums, self.source_names))
                     self.metrics.log(step, metrics)
                     window_start, window_tokens, data_time = time.perf_counter(), 0, 0.0
                     self.memory.reset_peak_stats()

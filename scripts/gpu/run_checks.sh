@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs a CUDA GPU, in one call on a lent single-GPU machine (results under $OUT):
 #   1. the test suite's quick layer on CUDA (unit tests; CUDA-only ones run instead of skipping)
-#   2. a short debug-model run on cuda+nccl with bf16, compile and an async pinned-memory checkpoint
+#   2. a short debug-model run on cuda+nccl with bf16, compile and an async pinned-memory checkpoint, and one
+#      with document masking (FlexAttention) under compile
 #   3. bf16 vs Float8 throughput and MFU on an 8B-shaped model cut to fit (scripts/gpu/bench_float8.py)
 # Usage (repo root):  OUT=/tmp/out bash scripts/gpu/run_checks.sh
 set -uo pipefail
@@ -18,4 +19,11 @@ NGPU=1 ./run_train.sh --job.dump_folder "$OUT/debug_cuda" --training.steps 30 --
     --checkpoint.enable --checkpoint.interval 10 --checkpoint.async_mode async_with_pinned_mem \
     --metrics.log_freq 10 2>&1 | tail -8 | tee "$OUT/debug_cuda.txt"
 
+# Document masking through FlexAttention inside the compiled blocks, with restarted positions.
+NGPU=1 ./run_train.sh --job.dump_folder "$OUT/doc_masking_cuda" --training.steps 20 --compile.enable \
+    --training.document_masking --training.document_positions \
+    --metrics.log_freq 10 2>&1 | tail -4 | tee "$OUT/doc_masking_cuda.txt"
+
 "$PYTHON" scripts/gpu/bench_float8.py --layers 4 --seq-len 8192 --steps 30 2>&1 | tail -12 | tee "$OUT/float8.txt"
+
+"$PYTHON" scripts/gpu/check_memory_estimate.py --layers 4 --seq-len 8192 2>&1 | tail -8 | tee "$OUT/memory_estimate.txt"

@@ -15,9 +15,9 @@ The negative control drops the true RoPE positions (every cp rank rotates its sl
 import pytest
 import torch
 
-from tests.distributed.test_parity_2d import assert_parity
+from tests.distributed.test_parity_2d import assert_parity, masked_reference  # noqa: F401 (a fixture)
 from torchtitan.distributed.context_parallel import shard_batch
-from tests.distributed.trainer_runs import curves, train
+from tests.distributed.trainer_runs import DOCUMENT_MASKING, curves, train
 from tests.multiprocess import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -143,3 +143,25 @@ def test_4d_pp2_tp2_cp2_matches_single_process(reference, tmp_path):
     steps, extras = train(8, argv, str(tmp_path), probe=_probe)
     assert_parity(curves(steps), reference)
     assert all(e["global_tokens"] == SEQ_LEN * GLOBAL_BATCH for e in extras)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_single_process_with_document_masking(layout, masked_reference, tmp_path):
+    world, argv = LAYOUTS[layout]
+    steps, _ = train(world, argv + DOCUMENT_MASKING, str(tmp_path))
+    assert_parity(curves(steps), masked_reference)
+
+
+def _ring_attention_ignoring_documents(rank, world_size):
+    """Breaks document masking under CP on purpose: ring attention drops the document ids."""
+    import torchtitan.distributed.context_parallel as cp
+
+    real = cp.ring_attention
+    cp.ring_attention = lambda q, k, v, group, rotate, document_ids=None: real(q, k, v, group, rotate)
+
+
+def test_masked_parity_catches_ring_attention_ignoring_documents(masked_reference, tmp_path):
+    world, argv = LAYOUTS["cp2_alltoall"]
+    steps, _ = train(world, argv + DOCUMENT_MASKING, str(tmp_path), setup=_ring_attention_ignoring_documents)
+    with pytest.raises(AssertionError):
+        assert_parity(curves(steps), masked_reference)

@@ -15,7 +15,7 @@ duplicated shards, a wrong batch slice) moves the loss by 1e-3 or more.
 import pytest
 import torch
 
-from tests.distributed.trainer_runs import curves, train
+from tests.distributed.trainer_runs import DOCUMENT_MASKING, curves, train
 
 pytestmark = pytest.mark.distributed
 
@@ -43,6 +43,12 @@ def reference(tmp_path_factory):
     return curves(steps)
 
 
+@pytest.fixture(scope="module")
+def masked_reference(tmp_path_factory):
+    steps, _ = train(1, ["--training.local_batch_size", "4"] + DOCUMENT_MASKING, str(tmp_path_factory.mktemp("masked")))
+    return curves(steps)
+
+
 def assert_parity(got, ref):
     loss, gnorm = got
     ref_loss, ref_gnorm = ref
@@ -61,6 +67,18 @@ def test_layout_matches_single_process(layout, reference, tmp_path):
     world, argv = LAYOUTS[layout]
     steps, _ = train(world, argv, str(tmp_path))
     assert_parity(curves(steps), reference)
+
+
+def test_document_masking_changes_the_run(reference, masked_reference):
+    """The masked runs below really mask: attention across documents is gone, so the losses differ."""
+    assert not torch.allclose(masked_reference[0], reference[0], rtol=1e-3)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_single_process_with_document_masking(layout, masked_reference, tmp_path):
+    world, argv = LAYOUTS[layout]
+    steps, _ = train(world, argv + DOCUMENT_MASKING, str(tmp_path))
+    assert_parity(curves(steps), masked_reference)
 
 
 def _fsdp_that_averages(rank, world_size):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.distributed.test_parity_2d import LOSS_RTOL, assert_parity
-from tests.distributed.trainer_runs import curves, read_metrics, train
+from tests.distributed.trainer_runs import DOCUMENT_MASKING, curves, read_metrics, train
 
 pytestmark = pytest.mark.distributed
 
@@ -70,6 +70,25 @@ def test_pipeline_layout_matches_single_process(layout, reference, tmp_path):
     world, argv = LAYOUTS[layout]
     got, validation = run(world, argv, str(tmp_path))
     ref, ref_validation = reference
+    assert_parity(got, ref)
+    torch.testing.assert_close(validation, ref_validation, rtol=LOSS_RTOL, atol=0)
+
+
+# Document masking through the schedules: the ids travel to every stage as keyword inputs.
+MASKED_LAYOUTS = ["pp2_1F1B", "pp2_Interleaved1F1B", "pp2_ZBVZeroBubble", "pp2_tp2"]
+
+
+@pytest.fixture(scope="module")
+def masked_reference(tmp_path_factory):
+    return run(1, validation_batch(1) + ["--training.local_batch_size", "4"] + DOCUMENT_MASKING,
+               str(tmp_path_factory.mktemp("masked")))
+
+
+@pytest.mark.parametrize("layout", MASKED_LAYOUTS)
+def test_pipeline_layout_matches_single_process_with_document_masking(layout, masked_reference, tmp_path):
+    world, argv = LAYOUTS[layout]
+    got, validation = run(world, argv + DOCUMENT_MASKING, str(tmp_path))
+    ref, ref_validation = masked_reference
     assert_parity(got, ref)
     torch.testing.assert_close(validation, ref_validation, rtol=LOSS_RTOL, atol=0)
 

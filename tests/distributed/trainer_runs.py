@@ -25,6 +25,10 @@ PARITY_ARGS = [
 ]
 
 
+# Document masking with per-document RoPE positions: the layout parity tests run once more with these.
+DOCUMENT_MASKING = ["--training.document_masking", "--training.document_positions"]
+
+
 def read_metrics(dump_folder: str) -> list[dict]:
     with open(os.path.join(dump_folder, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

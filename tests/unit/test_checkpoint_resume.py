@@ -239,10 +239,10 @@ def test_data_position_saved_right_after_a_load_is_the_loaded_one():
     count (it used to report a mid-batch position that no layout could load)."""
     from tests.unit.test_packing import ListSource
     from torchtitan.components.tokenizer import build_tokenizer
-    from torchtitan.datasets.packing import GlobalBatchSlicer
+    from torchtitan.datasets.packing import GlobalBatchSlicer, TextWindows
 
-    docs = ListSource([f"document number {i} " * 5 for i in range(40)])
-    ds = GlobalBatchSlicer(docs, build_tokenizer(None), seq_len=8, global_batch_size=4, dp_rank=0, dp_degree=2)
+    docs = TextWindows(ListSource([f"document number {i} " * 5 for i in range(40)]), build_tokenizer(None), 9, "loop")
+    ds = GlobalBatchSlicer([docs], [1.0], global_batch_size=4, dp_rank=0, dp_degree=2)
     it = iter(ds)
     for _ in range(4):
         next(it)

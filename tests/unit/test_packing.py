@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from torchtitan.components.tokenizer import build_tokenizer
-from torchtitan.datasets.packing import GlobalBatchSlicer, TokenWindowStream
+from torchtitan.datasets.packing import GlobalBatchSlicer, TextWindows
 from torchtitan.datasets.sources import DocumentSource
 
 DOCS = [f"document {i}: " + "lorem ipsum dolor sit amet " * (1 + i % 7) for i in range(60)]
@@ -28,10 +28,8 @@ def tok():
 
 
 def make(tok, *, dp_rank=0, dp_degree=1, gbs=8, seq_len=16, infinite=True):
-    return GlobalBatchSlicer(
-        ListSource(DOCS), tok, seq_len=seq_len, global_batch_size=gbs, dp_rank=dp_rank,
-        dp_degree=dp_degree, infinite=infinite,
-    )
+    source = TextWindows(ListSource(DOCS), tok, seq_len + 1, "loop" if infinite else "end")
+    return GlobalBatchSlicer([source], [1.0], global_batch_size=gbs, dp_rank=dp_rank, dp_degree=dp_degree)
 
 
 def take(ds, n):
@@ -39,8 +37,8 @@ def take(ds, n):
 
 
 def test_windows_are_the_tokenized_concatenation(tok):
-    stream = TokenWindowStream(ListSource(DOCS[:5]), tok, window=17, infinite=False)
-    windows = list(iter(stream.next_window, None))
+    stream = TextWindows(ListSource(DOCS[:5]), tok, 17, "end")
+    windows = [w.tokens.tolist() for w in iter(stream.next_window, None)]
     expected = [t for d in DOCS[:5] for t in tok.encode(d, bos=True, eos=True)]
     flat = [t for w in windows for t in w]
     assert flat == expected[: len(flat)] and len(expected) - len(flat) < 17

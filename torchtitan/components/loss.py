@@ -30,3 +30,38 @@ def build_cross_entropy_loss(job_config: JobConfig):
     from torchtitan.distributed.compile import compile_loss, compiles
 
     return compile_loss(cross_entropy_sum) if compiles(job_config, "loss") else cross_entropy_sum
+
+
+def pop_source_ids(inputs):
+    """(what the model takes, per-token source index [B, S] or None): a mixture's loader adds
+    "source_ids" to the inputs dict for the per-source loss; the model never sees it."""
+    if not isinstance(inputs, dict) or "source_ids" not in inputs:
+        return inputs, None
+    rest = dict(inputs)
+    return rest, rest.pop("source_ids")
+
+
+def per_source_loss_sums(
+    logits: torch.Tensor, labels: torch.Tensor, source_ids: torch.Tensor, num_sources: int
+) -> torch.Tensor:
+    """[2, num_sources] fp32: the summed token loss and the trained-token count of each source (no grad).
+
+    Summed over data- and context-parallel ranks, loss/<source> = row 0 / row 1 is each source's mean token
+    loss of the step, weighted like the training loss."""
+    with torch.no_grad():
+        token_loss = F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="none", ignore_index=IGNORE_INDEX
+        )
+        if isinstance(token_loss, DTensor):  # loss parallel
+            token_loss = token_loss.full_tensor()
+        ids = source_ids.flatten()
+        trained = (labels.flatten() != IGNORE_INDEX).float()
+        out = torch.zeros(2, num_sources, device=token_loss.device)
+        out[0].index_add_(0, ids, token_loss.float())
+        out[1].index_add_(0, ids, trained)
+    return out
+
+
+def per_source_metrics(sums: torch.Tensor, names: list[str]) -> dict[str, float]:
+    """loss/<source> of the sources that had trained tokens in the step."""
+    return {f"loss/{n}": (sums[0, i] / sums[1, i]).item() for i, n in enumerate(names) if sums[1, i] > 0}

@@ -46,11 +46,29 @@ class Model:
 @dataclass
 class Training:
     dataset: str = "stdlib_docs"
-    """Dataset name: `stdlib_docs` (shipped, offline), `c4`, `c4_test`, `fineweb` (Hugging Face hub, streamed),
-    or `local` with `dataset_path` pointing to json/jsonl/parquet/txt files."""
+    """Dataset name: `stdlib_docs` (shipped, offline), `c4`, `fineweb` (Hugging Face hub, streamed), `local` with
+    `dataset_path` pointing to json/jsonl/parquet/txt files, `chat` with `dataset_path` a jsonl of chat records
+    (SFT: only answers are trained); or a folder of pre-tokenized shards (`python -m torchtitan.datasets.pretokenize`)."""
 
     dataset_path: str | None = None
     """Local file, folder or glob for the dataset (overrides the hub path of a named dataset)."""
+
+    datasets: list[str] = field(default_factory=list)
+    """Weighted mixture replacing `dataset`: entries SOURCE:WEIGHT, a SOURCE being a registered dataset name (at
+    its default location) or a folder written by `python -m torchtitan.datasets.pretokenize`, e.g.
+    ["stdlib_docs:0.7", "/data/web_shards:0.3"]. Which source each sample comes from is drawn from the seed;
+    the loss of each source is logged as loss/<source>."""
+
+    dataset_exhausted: Literal["loop", "stop"] = "loop"
+    """When a training source runs out: loop (start it over, a new epoch, with a warning) or stop (end
+    training with a message)."""
+
+    document_masking: bool = False
+    """Attention stays within each document of a packed sequence (block-causal); documents are told apart by
+    their BOS tokens."""
+
+    document_positions: bool = False
+    """RoPE positions restart at 0 at every document of a packed sequence (use with document_masking)."""
 
     local_batch_size: int = 8
     """Sequences per microbatch on each data-parallel rank."""
@@ -180,6 +198,12 @@ class Parallelism:
     pipeline_parallel_layers_per_stage: int | None = None
     """Transformer layers per pipeline stage, counting the embedding and output as the *_less_layers below;
     sets the number of stages. None = 1 stage per rank (2 for looped/V schedules), split evenly by compute."""
+
+    pipeline_parallel_split: Literal["layers", "balanced"] = "layers"
+    """How stages are cut when neither module_fqns_per_model_part nor pipeline_parallel_layers_per_stage is set:
+    "layers" splits blocks evenly, the embedding and output counting as the *_less_layers below; "balanced"
+    cuts contiguous stages that minimise the slowest stage's training FLOPs (exact; the output projection
+    weighs in by its vocabulary matmul), ignoring *_less_layers."""
 
     pipeline_parallel_first_stage_less_layers: int = 1
     """Layers fewer on the first stage, which also holds the embedding."""

@@ -1,13 +1,61 @@
 """The stateful data loader the trainer iterates: microbatches of this rank's slice of each global batch."""
 
 import warnings
+from pathlib import Path
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.config.job_config import JobConfig
-from torchtitan.datasets.packing import GlobalBatchSlicer
-from torchtitan.datasets.sources import open_documents
+from torchtitan.datasets.packing import (
+    ExhaustedPolicy,
+    GlobalBatchSlicer,
+    SampleFeatures,
+    ShardWindows,
+    TextWindows,
+    WindowSource,
+)
+from torchtitan.datasets.shards import open_shards
+from torchtitan.datasets.sources import DATASETS, open_documents
+
+
+def parse_mixture(entries: list[str]) -> list[tuple[str, float]]:
+    """`training.datasets` entries "SOURCE:WEIGHT" -> [(source, weight)]; ValueError names a bad entry."""
+    out = []
+    for entry in entries:
+        source, sep, weight = entry.rpartition(":")
+        try:
+            value = float(weight) if sep and source else -1.0
+        except ValueError:
+            value = -1.0
+        if value <= 0:
+            raise ValueError(
+                f"--training.datasets entry {entry!r} must be SOURCE:WEIGHT with a positive weight, "
+                f"e.g. stdlib_docs:0.7 or /data/shards/web:0.3"
+            )
+        out.append((source, value))
+    return out
+
+
+def open_window_source(
+    source: str, dataset_path: str | None, split: str, tokenizer: Tokenizer, window: int, policy: ExhaustedPolicy
+) -> WindowSource:
+    """A registered dataset name (tokenized as it is read) or a folder written by
+    `python -m torchtitan.datasets.pretokenize` (its `<split>/` shards)."""
+    folder = Path(source)
+    if source in DATASETS or ("/" not in source and not folder.exists()):
+        # open_documents names the valid datasets (and the nearest one) for an unknown name.
+        return TextWindows(open_documents(source, dataset_path, split), tokenizer, window, policy)
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"shard folder {folder} does not exist (write it with python -m torchtitan.datasets.pretokenize)"
+        )
+    if not (folder / split).is_dir():
+        raise FileNotFoundError(
+            f"shard folder {folder} has no {split}/ split; write it with "
+            f"`python -m torchtitan.datasets.pretokenize ... --split {split} --output {folder}`"
+        )
+    return ShardWindows(open_shards(folder / split, tokenizer), window, policy, name=folder.name)
 
 
 def build_text_dataloader(
@@ -21,22 +69,38 @@ def build_text_dataloader(
     local_batch_size: int,
     infinite: bool,
 ) -> StatefulDataLoader:
-    """Batches of `local_batch_size` (input, label) pairs, [B, seq_len] each, from `training.dataset`.
+    """Batches of `local_batch_size` (inputs, labels) pairs, [B, seq_len] each, from `training.dataset` or
+    the mixture `training.datasets`. `inputs` is the token tensor, or a dict of it and per-token features
+    (document_ids, positions, source_ids) when document masking or a mixture asks for them.
 
     Consecutive batches of one rank make up that rank's slice of one global batch (gradient-accumulation
     microbatches), so global_batch_size must be a multiple of local_batch_size x dp_degree.
     num_workers=0 keeps the saved state exact (no prefetched, unaccounted batches).
     """
     t = job_config.training
-    source = open_documents(t.dataset, t.dataset_path, split)
+    policy: ExhaustedPolicy = t.dataset_exhausted if infinite else "end"
+    if t.datasets and t.dataset_path:
+        raise ValueError(
+            "--training.dataset_path applies to --training.dataset only; a --training.datasets mixture names "
+            "datasets at their default location or shard folders (pre-tokenize local files first)"
+        )
+    mixture = parse_mixture(t.datasets) if t.datasets else [(t.dataset, 1.0)]
+    path = t.dataset_path
+    sources = [open_window_source(s, path, split, tokenizer, t.seq_len + 1, policy) for s, _ in mixture]
+    features = SampleFeatures(
+        document_ids=t.document_masking,
+        document_positions=t.document_positions,
+        source_ids=len(sources) > 1 and split == "train",
+        bos_id=tokenizer.bos_id,
+    )
     ds = GlobalBatchSlicer(
-        source,
-        tokenizer,
-        seq_len=t.seq_len,
+        sources,
+        [w for _, w in mixture],
         global_batch_size=global_batch_size,
         dp_rank=dp_rank,
         dp_degree=dp_degree,
-        infinite=infinite,
+        seed=job_config.debug.seed or 0,
+        features=features,
     )
     with warnings.catch_warnings():  # torchdata calls a deprecated torch hook on construction; harmless
         warnings.filterwarnings("ignore", message=".*set_vital.*")

@@ -1,138 +1,333 @@
-"""Documents → one global stream of packed token windows → each data-parallel rank's slice of every step.
+"""Sources of packed windows → one global stream of samples (a weighted mixture) → each rank's slice.
 
 Why a global stream: the batch of step s must be the same set of samples whatever the parallel layout, so
 that a layout can be compared with a single process exactly and a run can resume under a different
-data-parallel degree. Every rank therefore reads the same stream of windows; step s is windows
-[s*G, (s+1)*G) of it (G = global batch size) and rank r of D keeps the contiguous slice r of G/D windows.
-The price is that every rank tokenizes the whole global batch; for pretraining-scale data, pre-tokenize.
+data-parallel degree. Step s is global samples [s*G, (s+1)*G) (G = global batch size); data-parallel rank
+r of D keeps the contiguous slice r of G/D samples (its gradient-accumulation microbatches).
 
-The state (the stream position at the last global-batch boundary and how many of the current slice were
-already yielded) is the same on every rank at a step boundary, so it can be saved once and loaded under any
-data-parallel layout.
+Sample k of the stream is a window of seq_len + 1 tokens of source `choice(k)`, the n-th window of that
+source where n counts the earlier samples drawn from it. `MixturePlan` makes the choices from the seed, in
+blocks of 1000 samples that hold each source's share exactly (largest remainder) in a seeded random order:
+deterministic, the same on every rank, and on weight within 1/1000 over any span of whole blocks.
+
+Two kinds of source:
+- `ShardWindows` reads pre-tokenized shards (shards.py): window n is tokens [n*W, (n+1)*W) of the shards'
+  stream, read by memory map, so a rank reads only the windows of its own slice.
+- `TextWindows` tokenizes documents as it goes; windows must be read in order, so every rank reads (and
+  tokenizes) every window of the sources it draws from. Fine for small data; pre-tokenize at scale.
+
+Both cut the same concatenation (BOS doc EOS, BOS doc EOS, ...) into the same windows, so shards and raw
+text give identical samples. State: the global sample index at the last step boundary, each source's
+position, and how many of the current slice this rank has served — identical on every rank at a step
+boundary, so saved once and loadable under any data-parallel degree.
 """
 
+from __future__ import annotations
+
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
+from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.tokenizer import Tokenizer
+from torchtitan.datasets.chat import tokenize_document
+from torchtitan.datasets.shards import ShardSet
 from torchtitan.datasets.sources import DocumentSource
+from torchtitan.datasets.documents import document_ids_from_bos, positions_in_documents
 from torchtitan.tools.logging import logger
+
+# loop: a source that runs out starts over (a new epoch, with a warning); stop: the stream ends with a message
+# (training then stops: "the data ran out"); end: the stream ends silently (one validation pass).
+ExhaustedPolicy = Literal["loop", "stop", "end"]
+MIXTURE_BLOCK = 1000
+
+
+class SourceExhausted(Exception):
+    """A source has no more windows and its policy is not to loop."""
+
+
+@dataclass
+class Window:
+    tokens: torch.Tensor  # [W] int64
+    trained: torch.Tensor | None = None  # [W] bool: which tokens are training targets; None = all
 
 
 @dataclass
 class StreamPosition:
-    """Where the token stream stands: the next document to read and the tokens read but not yet packed."""
+    """Where a text source stands: the next document to read and the tokens read but not yet packed."""
 
     doc_index: int = 0
     epoch: int = 0
     buffer: list[int] = field(default_factory=list)
+    trained: list[bool] | None = None  # per buffered token, once any document had untrained tokens
 
 
-class TokenWindowStream:
-    """Tokenizes documents (BOS ... EOS each) and cuts the concatenation into windows of `window` tokens."""
+class TextWindows:
+    """Tokenizes documents (BOS ... EOS each; chat records with their trained mask) and cuts the
+    concatenation into windows of `window` tokens, in order."""
 
-    def __init__(self, source: DocumentSource, tokenizer: Tokenizer, window: int, infinite: bool):
-        self.source, self.tokenizer, self.window, self.infinite = source, tokenizer, window, infinite
+    def __init__(
+        self, source: DocumentSource, tokenizer: Tokenizer, window: int, policy: ExhaustedPolicy, name: str = ""
+    ):
+        self.source, self.tokenizer, self.window, self.policy = source, tokenizer, window, policy
+        self.name = name or source.name
         self.pos = StreamPosition()
-        self._docs: Iterator[str] | None = None
+        self.consumed = 0  # windows read so far
+        self._docs: Iterator | None = None
 
-    def seek(self, pos: StreamPosition) -> None:
-        self.pos = StreamPosition(pos.doc_index, pos.epoch, list(pos.buffer))
+    def state(self) -> dict:
+        p = self.pos
+        state = {"consumed": self.consumed, "doc_index": p.doc_index, "epoch": p.epoch, "buffer": list(p.buffer)}
+        if p.trained is not None:
+            state["trained"] = list(p.trained)
+        return state
+
+    def load(self, state: dict) -> None:
+        trained = state.get("trained")
+        self.pos = StreamPosition(state["doc_index"], state["epoch"], list(state["buffer"]),
+                                  None if trained is None else list(trained))
+        self.consumed = state.get("consumed", 0)
         self._docs = None
 
-    def snapshot(self) -> StreamPosition:
-        return StreamPosition(self.pos.doc_index, self.pos.epoch, list(self.pos.buffer))
-
-    def next_window(self) -> list[int] | None:
-        """The next `window` tokens, or None when a finite stream is exhausted (the remainder is dropped)."""
-        while len(self.pos.buffer) < self.window:
-            text = self._next_document()
-            if text is None:
-                return None
-            self.pos.buffer.extend(self.tokenizer.encode(text, bos=True, eos=True))
-        out = self.pos.buffer[: self.window]
-        del self.pos.buffer[: self.window]
+    def take(self, wanted: list[int], end: int) -> list[Window]:
+        """Reads windows up to (excluding) `end`; returns those with index in `wanted` (ascending)."""
+        keep, out = set(wanted), []
+        while self.consumed < end:
+            w = self.next_window()
+            if w is None:
+                raise SourceExhausted(f"source {self.name} ran out after {self.consumed} windows")
+            if self.consumed in keep:
+                out.append(w)
+            self.consumed += 1
         return out
 
-    def _next_document(self) -> str | None:
+    def next_window(self) -> Window | None:
+        """The next `window` tokens, or None when the source is exhausted (the remainder is dropped)."""
+        p = self.pos
+        while len(p.buffer) < self.window:
+            doc = self._next_document()
+            if doc is None:
+                return None
+            tokens, trained = tokenize_document(doc, self.tokenizer)
+            if trained is not None and p.trained is None:
+                p.trained = [True] * len(p.buffer)
+            if p.trained is not None:
+                p.trained.extend(trained if trained is not None else [True] * len(tokens))
+            p.buffer.extend(tokens)
+        w = Window(torch.tensor(p.buffer[: self.window], dtype=torch.long))
+        del p.buffer[: self.window]
+        if p.trained is not None:
+            w.trained = torch.tensor(p.trained[: self.window], dtype=torch.bool)
+            del p.trained[: self.window]
+        return w
+
+    def _next_document(self):
+        p = self.pos
         for attempt in range(2):
             if self._docs is None:
-                self._docs = self.source.iter_from(self.pos.doc_index)
-            text = next(self._docs, None)
-            if text is not None:
-                self.pos.doc_index += 1
-                return text
-            if not self.infinite or (attempt == 0 and self.pos.doc_index == 0):
+                self._docs = self.source.iter_from(p.doc_index)
+            doc = next(self._docs, None)
+            if doc is not None:
+                p.doc_index += 1
+                return doc
+            if self.policy != "loop" or (attempt == 0 and p.doc_index == 0):
                 break
             # One pass is over: start the next epoch from the first document.
-            self.pos.epoch += 1
-            self.pos.doc_index = 0
+            p.epoch += 1
+            p.doc_index = 0
             self._docs = None
-            logger.warning(f"Dataset {self.source.name}: starting epoch {self.pos.epoch} (data is being re-used)")
+            logger.warning(f"Dataset {self.name}: starting epoch {p.epoch} (data is being re-used)")
         return None
 
 
-class GlobalBatchSlicer(IterableDataset):
-    """Yields (input, label) pairs of this data-parallel rank's slice of each global batch, in order.
+class ShardWindows:
+    """Random-access windows of a pre-tokenized shard folder; loops by wrapping the window index."""
 
-    input = window[:-1], label = window[1:], windows being seq_len + 1 tokens long.
-    """
+    def __init__(self, shards: ShardSet, window: int, policy: ExhaustedPolicy, name: str = ""):
+        self.shards, self.window, self.policy = shards, window, policy
+        self.name = name or shards.name
+        # The tail shorter than a window is dropped each epoch.
+        self.windows_per_epoch = shards.num_tokens // window
+        if self.windows_per_epoch == 0:
+            raise ValueError(
+                f"shards {shards.folder} hold {shards.num_tokens} tokens, fewer than one window ({window})"
+            )
+        self.consumed = 0
+        self._warned_epoch = 0
+
+    def state(self) -> dict:
+        return {"consumed": self.consumed}
+
+    def load(self, state: dict) -> None:
+        self.consumed = state.get("consumed", 0)
+
+    def take(self, wanted: list[int], end: int) -> list[Window]:
+        if self.policy != "loop" and end > self.windows_per_epoch:
+            raise SourceExhausted(f"source {self.name} ran out after {self.windows_per_epoch} windows")
+        epoch = (end - 1) // self.windows_per_epoch
+        if epoch > self._warned_epoch:
+            self._warned_epoch = epoch
+            logger.warning(f"Dataset {self.name}: starting epoch {epoch} (data is being re-used)")
+        self.consumed = end
+        return [self.read(n) for n in wanted]
+
+    def read(self, n: int) -> Window:
+        start = (n % self.windows_per_epoch) * self.window
+        return Window(torch.from_numpy(self.shards.tokens(start, self.window)))
+
+
+class MixturePlan:
+    """Which source each global sample comes from: seeded, blockwise exact shares (see the module doc)."""
+
+    def __init__(self, weights: list[float], seed: int):
+        if not weights or any(w <= 0 for w in weights):
+            raise ValueError(f"mixture weights must be positive, got {weights}")
+        self.seed = seed
+        shares = np.asarray(weights, dtype=np.float64) / sum(weights) * MIXTURE_BLOCK
+        quotas = np.floor(shares).astype(np.int64)
+        # Largest remainder: the seats left over go to the largest fractional parts (ties: first source).
+        order = np.argsort(-(shares - quotas), kind="stable")
+        quotas[order[: MIXTURE_BLOCK - int(quotas.sum())]] += 1
+        self._block_template = np.repeat(np.arange(len(weights)), quotas)
+        self._cache: dict[int, np.ndarray] = {}
+
+    def _block(self, b: int) -> np.ndarray:
+        if b not in self._cache:
+            if len(self._cache) > 4:
+                self._cache.clear()
+            self._cache[b] = np.random.default_rng([self.seed, b]).permutation(self._block_template)
+        return self._cache[b]
+
+    def choices(self, start: int, count: int) -> np.ndarray:
+        if len(self._block_template) and self._block_template.max() == 0:
+            return np.zeros(count, dtype=np.int64)  # one source: no draws needed
+        first, last = start // MIXTURE_BLOCK, (start + count - 1) // MIXTURE_BLOCK
+        blocks = np.concatenate([self._block(b) for b in range(first, last + 1)])
+        offset = start - first * MIXTURE_BLOCK
+        return blocks[offset : offset + count]
+
+
+@dataclass(frozen=True)
+class SampleFeatures:
+    """What a sample carries besides tokens and labels (any of them turns `inputs` into a dict)."""
+
+    document_ids: bool = False  # for block-causal attention within documents
+    document_positions: bool = False  # RoPE positions restarting at every document
+    source_ids: bool = False  # per-token source index, for the per-source loss (the model never sees it)
+    bos_id: int | None = None
+
+    @property
+    def as_dict(self) -> bool:
+        return self.document_ids or self.document_positions or self.source_ids
+
+
+def make_sample(window: Window, source_index: int, features: SampleFeatures):
+    """(inputs, labels) of a window: inputs = tokens[:-1] (or a dict of it and its features), labels =
+    tokens[1:] with IGNORE_INDEX where the target token is not trained (SFT prompts)."""
+    inputs, labels = window.tokens[:-1], window.tokens[1:].clone()
+    if window.trained is not None:
+        labels[~window.trained[1:]] = IGNORE_INDEX
+    if not features.as_dict:
+        return inputs, labels
+    out = {"tokens": inputs}
+    if features.document_ids or features.document_positions:
+        ids = document_ids_from_bos(inputs, features.bos_id)
+        if features.document_ids:
+            out["document_ids"] = ids
+        if features.document_positions:
+            out["positions"] = positions_in_documents(ids)
+    if features.source_ids:
+        out["source_ids"] = torch.full_like(inputs, source_index)
+    return out, labels
+
+
+WindowSource = TextWindows | ShardWindows
+
+
+class GlobalBatchSlicer(IterableDataset):
+    """Yields (inputs, labels) of this data-parallel rank's slice of each global batch, in order."""
 
     def __init__(
         self,
-        source: DocumentSource,
-        tokenizer: Tokenizer,
+        sources: list[WindowSource],
+        weights: list[float],
         *,
-        seq_len: int,
         global_batch_size: int,
         dp_rank: int,
         dp_degree: int,
-        infinite: bool = True,
+        seed: int = 0,
+        features: SampleFeatures = SampleFeatures(),
     ):
         if global_batch_size % dp_degree:
             raise ValueError(f"global batch {global_batch_size} does not divide by data-parallel degree {dp_degree}")
-        self.stream = TokenWindowStream(source, tokenizer, seq_len + 1, infinite)
+        names = [s.name for s in sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"mixture sources must have distinct names, got {names}")
+        self.sources, self.plan, self.features = sources, MixturePlan(weights, seed), features
+        self.source_names = names
         self.global_batch_size, self.dp_rank, self.dp_degree = global_batch_size, dp_rank, dp_degree
         self.slice_size = global_batch_size // dp_degree
-        self._batch_start = StreamPosition()  # stream position before the current global batch
-        self._batch_end: StreamPosition | None = None  # after it (None: no batch in progress)
+        self._batch_start = self._snapshot(0)  # position before the current global batch
+        self._batch_end: dict | None = None  # after it (None: no batch in progress)
         self._yielded = 0  # samples of this rank's slice already handed out
         self._resume_skip = 0
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        self.stream.seek(self._batch_start)
+    def _snapshot(self, sample: int) -> dict:
+        return {"sample": sample, "sources": {s.name: s.state() for s in self.sources}}
+
+    def __iter__(self) -> Iterator:
+        pos = self._batch_start
+        for s in self.sources:
+            s.load(pos["sources"].get(s.name, {"consumed": 0, "doc_index": 0, "epoch": 0, "buffer": []}))
+        sample = pos["sample"]
         skip, self._resume_skip = self._resume_skip, 0
+        lo, hi = self.dp_rank * self.slice_size, (self.dp_rank + 1) * self.slice_size
         while True:
-            self._batch_start = self.stream.snapshot()
-            windows = [self.stream.next_window() for _ in range(self.global_batch_size)]
-            if windows[-1] is None:
-                return  # a finite stream ran out: an incomplete global batch is dropped on every rank alike
-            self._batch_end = self.stream.snapshot()
-            lo = self.dp_rank * self.slice_size
-            mine = windows[lo + skip : lo + self.slice_size]
+            self._batch_start = self._snapshot(sample)
+            choices = self.plan.choices(sample, self.global_batch_size)
+            mine: list = [None] * self.slice_size
+            try:
+                for c, source in enumerate(self.sources):
+                    where = np.flatnonzero(choices == c)
+                    base = source.consumed
+                    in_slice = where[(where >= lo) & (where < hi)]
+                    wanted = [base + int(np.searchsorted(where, j)) for j in in_slice]
+                    for j, w in zip(in_slice, source.take(wanted, base + len(where))):
+                        mine[j - lo] = make_sample(w, c, self.features)
+            except SourceExhausted as e:
+                # Every rank reaches the same verdict: each source checks the end of the whole global batch.
+                if self.sources[0].policy == "stop":
+                    logger.warning(f"{e}; --training.dataset_exhausted=stop ends the data here")
+                return
+            sample += self.global_batch_size
+            self._batch_end = self._snapshot(sample)
             self._yielded = skip
-            skip = 0
-            for w in mine:
+            for item in mine[skip:]:
                 self._yielded += 1
-                t = torch.tensor(w, dtype=torch.long)
-                yield t[:-1], t[1:]
+                yield item
+            skip = 0
             self._batch_start, self._batch_end, self._yielded = self._batch_end, None, 0
 
     def state_dict(self) -> dict:
+        """{"sample", "yielded", "sources"}; the sources' positions are one JSON string, so a checkpoint
+        stores and restores them whole, whatever sources the loading run reads (DCP loads only the keys of
+        the loading side's state dict)."""
         done = self._batch_end is not None and self._yielded == self.slice_size
         pos = self._batch_end if done else self._batch_start
-        return {
-            "doc_index": pos.doc_index,
-            "epoch": pos.epoch,
-            "buffer": list(pos.buffer),
-            "yielded": 0 if done else self._yielded,
-        }
+        return {"sample": pos["sample"], "yielded": 0 if done else self._yielded,
+                "sources": json.dumps(pos["sources"], sort_keys=True)}
 
     def load_state_dict(self, state: dict) -> None:
-        self._batch_start = StreamPosition(state["doc_index"], state["epoch"], list(state["buffer"]))
+        sources = json.loads(state["sources"])
+        unknown = sorted(set(sources) - set(self.source_names))
+        if unknown:
+            logger.warning(f"data state names sources {unknown} that this run does not read; they are dropped")
+        self._batch_start = {"sample": state["sample"], "sources": sources}
         self._batch_end = None
         # Until iteration restarts, state_dict() must report the loaded position, not the previous iterator's.
         self._resume_skip = self._yielded = state["yielded"]

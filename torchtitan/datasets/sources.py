@@ -8,6 +8,8 @@ Datasets:
 - ``stdlib_docs`` (default): the corpus shipped in ``torchtitan/assets/stdlib_docs``.
 - ``c4``, ``fineweb``: streamed from the Hugging Face hub (or a local copy at ``dataset_path``).
 - ``local``: json / jsonl / parquet / txt files (optionally ``.gz``) at ``dataset_path``.
+- ``chat``: a jsonl(.gz) file of chat / instruction records at ``dataset_path`` (SFT, see chat.py); its
+  documents are records (dicts), not texts.
 
 Where a dataset has no validation split, every ``HOLDOUT_EVERY``-th document (index 0, 100,
 200, ...) is validation and the rest is train, so the two never overlap.
@@ -36,14 +38,15 @@ LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt
 
 
 class DocumentSource(ABC):
-    """Documents in a fixed order; ``iter_from(n)`` starts at document ``n`` (0-based)."""
+    """Documents (texts, or chat records for ``chat``) in a fixed order; ``iter_from(n)`` starts at document
+    ``n`` (0-based)."""
 
     name: str
     # True when iter_from(n) is exact and does not re-read the documents before n as text.
     resumable: bool
 
     @abstractmethod
-    def iter_from(self, doc_index: int) -> Iterator[str]: ...
+    def iter_from(self, doc_index: int) -> Iterator[Any]: ...
 
 
 def holdout_start(doc_index: int, split: Split, every: int = HOLDOUT_EVERY) -> int:
@@ -202,6 +205,30 @@ class LocalFilesSource(DocumentSource):
             yield row[TEXT_FIELD]
 
 
+class ChatSource(DocumentSource):
+    """A jsonl(.gz) file of chat records (SFT; rendered by chat.py); every 100th line is validation."""
+
+    resumable = True
+
+    def __init__(self, path: str | None, split: Split) -> None:
+        if not path or not Path(path).is_file():
+            raise FileNotFoundError(
+                f"dataset 'chat' needs --training.dataset_path to be a jsonl(.gz) file of chat records, got {path}"
+            )
+        self.name, self.path, self.split = "chat", Path(path), split
+
+    def iter_from(self, doc_index: int) -> Iterator[dict]:
+        opener = gzip.open if self.path.suffix == ".gz" else open
+        seen = 0
+        with opener(self.path, "rt", encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if not line.strip() or not in_split(i, self.split):
+                    continue
+                if seen >= doc_index:
+                    yield json.loads(line)
+                seen += 1
+
+
 def _stdlib_docs(dataset_path: str | None, split: Split) -> DocumentSource:
     folder = Path(dataset_path) if dataset_path else STDLIB_DOCS_DIR
     return JsonlGzSource("stdlib_docs", folder / f"{split}.jsonl.gz")
@@ -215,6 +242,10 @@ def _local(dataset_path: str | None, split: Split) -> DocumentSource:
     return LocalFilesSource(dataset_path, split)
 
 
+def _chat(dataset_path: str | None, split: Split) -> DocumentSource:
+    return ChatSource(dataset_path, split)
+
+
 def _hub(name: str) -> Callable[[str | None, Split], DocumentSource]:
     return lambda dataset_path, split: HubStreamSource(name, HUB_DATASETS[name], split, dataset_path)
 
@@ -222,6 +253,7 @@ def _hub(name: str) -> Callable[[str | None, Split], DocumentSource]:
 DATASETS: dict[str, Callable[[str | None, Split], DocumentSource]] = {
     "stdlib_docs": _stdlib_docs,
     "local": _local,
+    "chat": _chat,
     **{name: _hub(name) for name in HUB_DATASETS},
 }
 

@@ -6,7 +6,9 @@ gives every rank the same amount of attention work.
 
 Because chunks are whole, any (query chunk a, key chunk b) pair is in one of three states: fully visible
 (a > b), diagonal-causal (a == b) or fully masked (a < b). Masked blocks are skipped outright; only the
-diagonal block needs an element mask.
+diagonal block needs an element mask. With document masking every rank's document ids are all-gathered
+once per attention call; a block where no query shares a document with any key is skipped as well, the
+others get an element mask (same document, and causal on the diagonal).
 
 Math. Each block yields a partial output and the log-sum-exp (lse) of its scores; partials are merged with
 the online-softmax rule, so the result is exact softmax attention over all visible keys. Backward recomputes
@@ -114,32 +116,51 @@ def gather_sequence(x: torch.Tensor, dim: int, cp_group: dist.ProcessGroup | Non
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> torch.Tensor:
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+def _block_mask(
+    q_ids: torch.Tensor | None, k_ids: torch.Tensor | None, diagonal: bool, shape: tuple[int, int], device
+) -> torch.Tensor | None:
+    """Visible (query, key) pairs of a block, [B or 1, 1, 1, Sq, Sk] bool, or None when all are visible.
+
+    Diagonal: q and k are the same global chunk, so local index i may see local index j iff j <= i.
+    Documents (ids [B, Sq] and [B, Sk]): a query sees keys of its own document only.
+    """
+    mask = None
     if diagonal:
-        # q and k are the same global chunk, so local index i may see local index j iff j <= i.
-        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1)
-        s = s.masked_fill(mask, float("-inf"))
-    return s
+        mask = torch.ones(shape, dtype=torch.bool, device=device).tril_()
+    if q_ids is not None:
+        same_doc = (q_ids.unsqueeze(-1) == k_ids.unsqueeze(-2)).unsqueeze(1).unsqueeze(1)
+        mask = same_doc if mask is None else same_doc & mask
+    return mask
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+
+
+def _finite_or_zero(lse: torch.Tensor) -> torch.Tensor:
+    # A row with no visible key in a block has lse -inf; subtracting 0 instead keeps its exp() at exactly 0.
+    return lse.masked_fill(torch.isneginf(lse), 0.0)
 
 
 def _block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    s = _scores(q, k, scale, diagonal)
+    s = _scores(q, k, scale, mask)
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v)
+    out = torch.matmul(torch.exp(s - _finite_or_zero(lse).unsqueeze(-1)), v)
     return out, lse
 
 
 def _merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Fold a block's (out, lse) into the running accumulators in place (online softmax).
 
-    Every computed block has at least one visible key per row, so block_lse is finite and the first merge
-    into the (-inf, 0) initial state is well defined.
+    Under document masking a row may have no visible key so far (lse -inf) or in this block (block_lse
+    -inf); its factor is then exactly 0, and merging an empty block leaves (out, lse) bit-identical.
     """
     new_lse = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - new_lse).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
+    ref = _finite_or_zero(new_lse)
+    out.mul_(torch.exp(lse - ref).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - ref).unsqueeze(-1))
     lse.copy_(new_lse)
 
 
@@ -151,10 +172,11 @@ def _block_backward(
     lse: torch.Tensor,
     delta: torch.Tensor,
     scale: float,
-    diagonal: bool,
+    mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one block given the FINAL lse and delta = rowsum(dout * out) of the whole attention."""
-    p = torch.exp(_scores(q, k, scale, diagonal) - lse.unsqueeze(-1))
+    """Gradients of one block given the FINAL lse and delta = rowsum(dout * out) of the whole attention
+    (finite: every token sees at least itself)."""
+    p = torch.exp(_scores(q, k, scale, mask) - lse.unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), dout).sum(dim=2, keepdim=True)
     ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta.unsqueeze(-1))
     dq = torch.matmul(ds, k) * scale
@@ -238,9 +260,25 @@ def _split_kv(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return kv[0], kv[1]
 
 
-def _chunk(t: torch.Tensor, index: int, chunk_len: int) -> torch.Tensor:
-    """Local chunk `index` (0 or 1) of a 5-D layout tensor or of its per-row stats; the sequence is dim 3."""
-    return t.narrow(3, index * chunk_len, chunk_len)
+def _chunk(t: torch.Tensor, index: int, chunk_len: int, dim: int = 3) -> torch.Tensor:
+    """Local chunk `index` (0 or 1) of a 5-D layout tensor or of its per-row stats (sequence dim 3), or of
+    document ids [B, S] (dim 1)."""
+    return t.narrow(dim, index * chunk_len, chunk_len)
+
+
+def _blocks(
+    cp_size: int, q_rank: int, kv_rank: int, ids: torch.Tensor | None, chunk_len: int, device
+) -> list[tuple[int, int, torch.Tensor | None]]:
+    """(local q chunk, local kv chunk, mask) of every block with a visible pair: causally masked blocks are
+    skipped, and so are blocks where no query shares a document with any key. ids: [cp, B, S/cp] or None."""
+    out = []
+    for qi, ki, diagonal in _visible_blocks(cp_size, q_rank, kv_rank):
+        q_ids = _chunk(ids[q_rank], qi, chunk_len, dim=1) if ids is not None else None
+        k_ids = _chunk(ids[kv_rank], ki, chunk_len, dim=1) if ids is not None else None
+        mask = _block_mask(q_ids, k_ids, diagonal, (chunk_len, chunk_len), device)
+        if mask is None or bool(mask.any()):
+            out.append((qi, ki, mask))
+    return out
 
 
 class _RingAttention(torch.autograd.Function):
@@ -252,8 +290,11 @@ class _RingAttention(torch.autograd.Function):
         v: torch.Tensor,
         group: dist.ProcessGroup | None,
         rotate_method: RotateMethod,
+        document_ids: torch.Tensor | None,
     ) -> torch.Tensor:
         ring = _Ring(group)
+        # Every rank's document ids (small ints) once, so each block knows both sides' documents.
+        ids = _all_gather(document_ids, group) if document_ids is not None else None
         batch, hq, seq, dim = q.shape
         hkv = k.shape[1]
         chunk_len = seq // 2
@@ -267,9 +308,9 @@ class _RingAttention(torch.autograd.Function):
 
         def accumulate(kv_rank: int, kv_shard: torch.Tensor) -> None:
             k5, v5 = _split_kv(kv_shard)
-            for qi, ki, diagonal in _visible_blocks(ring.size, ring.rank, kv_rank):
+            for qi, ki, mask in _blocks(ring.size, ring.rank, kv_rank, ids, chunk_len, q.device):
                 block_out, block_lse = _block_forward(
-                    _chunk(q5, qi, chunk_len), _chunk(k5, ki, chunk_len), _chunk(v5, ki, chunk_len), scale, diagonal
+                    _chunk(q5, qi, chunk_len), _chunk(k5, ki, chunk_len), _chunk(v5, ki, chunk_len), scale, mask
                 )
                 _merge_(_chunk(out, qi, chunk_len), _chunk(lse, qi, chunk_len), block_out, block_lse)
 
@@ -289,7 +330,7 @@ class _RingAttention(torch.autograd.Function):
 
         out_q = out.reshape(batch, hq, seq, dim).to(q.dtype)
         ctx.save_for_backward(q, kv_saved, out_q, lse)
-        ctx.group, ctx.rotate_method, ctx.hkv = group, rotate_method, hkv
+        ctx.group, ctx.rotate_method, ctx.hkv, ctx.ids = group, rotate_method, hkv, ids
         return out_q
 
     @staticmethod
@@ -309,7 +350,7 @@ class _RingAttention(torch.autograd.Function):
         def accumulate(kv_rank: int, kv_shard: torch.Tensor, dkv: torch.Tensor) -> None:
             """Add this rank's contribution to dq and to the visiting shard's packed (dk, dv)."""
             k5, v5 = _split_kv(kv_shard)
-            for qi, ki, diagonal in _visible_blocks(ring.size, ring.rank, kv_rank):
+            for qi, ki, mask in _blocks(ring.size, ring.rank, kv_rank, ctx.ids, chunk_len, q.device):
                 dq, dk, dv = _block_backward(
                     _chunk(q5, qi, chunk_len),
                     _chunk(k5, ki, chunk_len),
@@ -318,7 +359,7 @@ class _RingAttention(torch.autograd.Function):
                     _chunk(lse, qi, chunk_len),
                     _chunk(delta, qi, chunk_len),
                     scale,
-                    diagonal,
+                    mask,
                 )
                 _chunk(dq5, qi, chunk_len).add_(dq)
                 dkv[0].narrow(-2, ki * chunk_len, chunk_len).add_(dk.squeeze(2))
@@ -347,7 +388,7 @@ class _RingAttention(torch.autograd.Function):
             dkv = wait_dkv()
 
         dq = dq5.reshape(batch, hq, seq, dim).to(q.dtype)
-        return dq, dkv[0].to(kv_saved.dtype), dkv[1].to(kv_saved.dtype), None, None
+        return dq, dkv[0].to(kv_saved.dtype), dkv[1].to(kv_saved.dtype), None, None, None
 
 
 def ring_attention(
@@ -356,10 +397,12 @@ def ring_attention(
     v: torch.Tensor,
     cp_group: dist.ProcessGroup | None = None,
     rotate_method: RotateMethod = "alltoall",
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of load-balanced local shards q [B, Hq, S/cp, D], k/v [B, Hkv, S/cp, D].
 
-    Returns this rank's shard of the output, equal to full causal SDPA over the unsharded sequence.
+    Returns this rank's shard of the output, equal to full causal SDPA over the unsharded sequence; with
+    `document_ids` (this rank's shard [B, S/cp], sharded like q) block-causal within documents.
     """
     if rotate_method not in _ROTATE_METHODS:
         raise ValueError(f"rotate_method must be one of {_ROTATE_METHODS}, got {rotate_method!r}")
@@ -369,7 +412,7 @@ def ring_attention(
         raise ValueError(f"Hkv={k.shape[1]} must divide Hq={q.shape[1]}")
     if q.shape[2] != k.shape[2] or q.shape[2] % 2 != 0:
         raise ValueError(f"local q/k lengths must be equal and even (two chunks), got {q.shape[2]}, {k.shape[2]}")
-    return _RingAttention.apply(q, k, v, cp_group, rotate_method)
+    return _RingAttention.apply(q, k, v, cp_group, rotate_method, document_ids)
 
 
 class ContextParallelAttention(nn.Module):
@@ -382,8 +425,10 @@ class ContextParallelAttention(nn.Module):
         self.cp_group = cp_group
         self.rotate_method: RotateMethod = rotate_method
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return ring_attention(q, k, v, self.cp_group, self.rotate_method)
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return ring_attention(q, k, v, self.cp_group, self.rotate_method, document_ids)
 
     def extra_repr(self) -> str:
         return f"rotate_method={self.rotate_method!r}"

@@ -43,6 +43,7 @@ from torch.distributed.pipelining.schedules import (
 
 from torchtitan.components.loss import loss_value
 from torchtitan.distributed.parallel_dims import LayoutError
+from torchtitan.planning.balance import InfeasibleSplit, balanced_split, module_flops
 from torchtitan.protocols.model import split_inputs
 
 # Schedules by how many stages each rank holds and where they sit.
@@ -197,9 +198,12 @@ def _check_microbatches(schedule: str, n: int, pp: int, num_stages: int, how: st
         )
 
 
-def plan_pipeline(p, order: Sequence[str], n_head: int, n_tail: int, local_batch_size: int) -> PipelinePlan:
+def plan_pipeline(
+    p, order: Sequence[str], n_head: int, n_tail: int, local_batch_size: int, costs: Sequence[float] | None = None
+) -> PipelinePlan:
     """Checks a pipeline layout and decides the stages and microbatch count; one LayoutError when it
-    cannot work. `p` is the Parallelism config section, `order` the model's module_order."""
+    cannot work. `p` is the Parallelism config section, `order` the model's module_order, `costs` the
+    modules' compute (needed by pipeline_parallel_split "balanced")."""
     pp = p.pipeline_parallel_degree
     schedule = schedule_name(p.pipeline_parallel_schedule)
     n_layers = len(order) - n_head - n_tail
@@ -224,7 +228,10 @@ def plan_pipeline(p, order: Sequence[str], n_head: int, n_tail: int, local_batch
         stages = split_by_compute(order, n_head, n_tail, num_stages, first_less, last_less, [per] * num_stages)
     else:
         per_rank = 1 if schedule in SINGLE_STAGE else 2
-        stages = split_by_compute(order, n_head, n_tail, pp * per_rank, first_less, last_less)
+        if p.pipeline_parallel_split == "balanced":
+            stages = _balanced_stages(order, costs, pp * per_rank)
+        else:
+            stages = split_by_compute(order, n_head, n_tail, pp * per_rank, first_less, last_less)
 
     mbs = p.pipeline_parallel_microbatch_size
     if mbs < 1 or local_batch_size % mbs:
@@ -235,6 +242,17 @@ def plan_pipeline(p, order: Sequence[str], n_head: int, n_tail: int, local_batch
     n = local_batch_size // mbs
     _check_microbatches(schedule, n, pp, len(stages), f"local_batch_size {local_batch_size} / microbatch size {mbs}")
     return PipelinePlan(schedule, pp, tuple(tuple(s) for s in stages), n)
+
+
+def _balanced_stages(order: Sequence[str], costs: Sequence[float] | None, num_stages: int) -> list[list[str]]:
+    if costs is None or len(costs) != len(order):
+        raise ValueError("pipeline_parallel_split 'balanced' needs one cost per module of the pipeline order")
+    try:
+        sizes = balanced_split(costs, num_stages)
+    except InfeasibleSplit as e:
+        raise LayoutError(f"--parallelism.pipeline_parallel_split balanced: {e}") from None
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [list(order[a : a + n]) for a, n in zip(starts, sizes)]
 
 
 def split_stage(model: nn.Module, keep: Sequence[str], head: Sequence[str], tail: Sequence[str]) -> nn.Module:
@@ -336,12 +354,20 @@ def check_pipeline(plan: PipelinePlan, parallel_dims, job_config) -> None:
 def plan_model_pipeline(model: nn.Module, parallel_dims, job_config) -> PipelinePlan:
     """The checked pipeline plan of a (meta) model that follows the model protocol."""
     order = module_order(model, model.pipeline_head, model.pipeline_tail)
+    costs = None
+    if job_config.parallelism.pipeline_parallel_split == "balanced":
+        # Attention score/value FLOPs have no weights: from the model's args where it keeps them.
+        args = getattr(model, "model_args", None)
+        seq_len = job_config.training.seq_len
+        attention = args.flops_per_token(0, seq_len) / len(model.layers) if args is not None else 0.0
+        costs = module_flops(model, order, attention)
     plan = plan_pipeline(
         job_config.parallelism,
         order,
         len(model.pipeline_head),
         len(model.pipeline_tail),
         job_config.training.local_batch_size,
+        costs,
     )
     check_pipeline(plan, parallel_dims, job_config)
     return plan

@@ -72,7 +72,13 @@ class Attention(nn.Module):
             _trunc_normal(w.weight, 0.02)
         _trunc_normal(self.wo.weight, out_std)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor,
+        positions: torch.Tensor | None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         # Rows are gathered here, where the sequence is whole again: under sequence parallel the block input
         # is a sequence shard, and the attention input is the all-gathered sequence.
@@ -82,7 +88,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), document_ids)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
@@ -121,8 +127,14 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(self.out_init_std)
         self.feed_forward.init_weights(self.out_init_std)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache, positions)
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor,
+        positions: torch.Tensor | None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache, positions, document_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -166,15 +178,23 @@ class Transformer(nn.Module):
         if self.output is not None:
             _trunc_normal(self.output.weight, self.model_args.dim**-0.5)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """tokens: [B, S] ids, or [B, S, dim] hidden states on a stage without tok_embeddings.
-        positions: [S] or [B, S] true positions of the given tokens (context parallel hands each rank
-        a non-contiguous slice); None = 0..S-1. Returns logits, or hidden states on a stage without output."""
+        positions: [S] or [B, S] RoPE positions of the given tokens (context parallel hands each rank a
+        non-contiguous slice; packed documents may restart at 0); None = 0..S-1 (or the CP slice's).
+        document_ids: [B, S] document of each token; attention then stays within documents.
+        Returns logits, or hidden states on a stage without output."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
             positions = self.fixed_positions
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache, positions)
+            h = layer(h, self.rope_cache, positions, document_ids)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

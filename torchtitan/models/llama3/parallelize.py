@@ -112,7 +112,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, floa
             {
                 "attention_norm": SequenceParallel(),
                 "attention": prepare_input(
-                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                    input_layouts=(Shard(1), None, None, None),
+                    desired_input_layouts=(Replicate(), None, None, None),
                 ),
                 "attention.wq": colwise(),
                 "attention.wk": colwise(),

@@ -1,0 +1,129 @@
+"""Memory estimator vs measured peak on CPU, for runs that differ in layout and activation checkpointing.
+
+    PYTHONPATH=$PWD python3 scripts/planning/bench_memory.py [--only NAME ...]
+
+Measured: the real trainer over gloo trains one step (so optimizer state exists), then one more step runs
+under torch.profiler(profile_memory=True). While profiling, c10's CPU allocator keeps a running total of
+the bytes it has handed out and reports it with every allocation and free; the peak is the bytes live
+when profiling began (the rank's tensors: parameter shards, optimizer state, buffers, the batch; counted
+from the objects) plus the largest running total during the step. This is what the CPU allocator really hands out to tensors (malloc's own
+bookkeeping is not included). Rank 0's figure is reported (the ranks of these layouts are symmetric, but
+for PP, where each pp rank is measured and the largest is reported).
+
+Estimated: torchtitan/planning/memory.py estimate_memory with the rank's real shard sizes (as the dry run
+gives them) and the layout's activation formula.
+"""
+
+import argparse
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+RUNS = {  # name: (world, extra args)
+    "1 rank, AC none": (1, []),
+    "1 rank, AC full": (1, ["--activation_checkpoint.mode", "full"]),
+    "1 rank, AC selective op": (1, ["--activation_checkpoint.mode", "selective"]),
+    "FSDP 2, AC none": (2, []),
+    "FSDP 2, AC full": (2, ["--activation_checkpoint.mode", "full"]),
+    "TP 2, AC none": (2, ["--parallelism.tensor_parallel_degree", "2"]),
+    "FSDP 2, grad accum 2, AC selective op": (2, ["--activation_checkpoint.mode", "selective",
+                                                  "--training.global_batch_size", "16"]),
+    "PP 2 1F1B, AC none": (2, ["--parallelism.pipeline_parallel_degree", "2",
+                               "--model.flavor", "debugmodel_tiny4"]),
+}
+COMMON = [
+    "--model.flavor", "debugmodel", "--training.seq_len", "512", "--training.local_batch_size", "4",
+    "--training.mixed_precision_param", "float32", "--training.steps", "1", "--validation.enable", "false",
+    "--metrics.log_freq", "1", "--debug.seed", "0",
+]
+
+
+def _live_tensor_bytes(trainer) -> int:
+    from torchtitan.tools.memory import local_state_bytes
+
+    s = local_state_bytes(trainer.model_parts, trainer.optimizers)
+    buffers = sum(b.numel() * b.element_size() for m in trainer.model_parts for b in m.buffers())
+    return s["params"] + s["grads"] + s["optimizer"] + buffers
+
+
+def _peak_allocated(prof) -> int:
+    """Largest total of bytes c10's CPU allocator had handed out (and not yet taken back) among the
+    allocations made while profiling: its own running total, reported with every allocation event."""
+    from torch._C._profiler import _EventType
+
+    peak, stack = 0, list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.typed[0] == _EventType.Allocation:
+            peak = max(peak, node.typed[1].total_allocated)
+        stack.extend(node.children)
+    return peak
+
+
+def _measure(rank, world, argv, folder):
+    from torch.profiler import ProfilerActivity, profile
+
+    from torchtitan.config import ConfigManager
+    from torchtitan.planning.memory import ModelShape, StateBytes, estimate_memory, rank_work
+    from torchtitan.tools.memory import local_state_bytes
+    from torchtitan.trainer import Trainer
+
+    cfg = ConfigManager().parse_args(COMMON + argv + ["--job.dump_folder", folder])
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()  # one step: optimizer state exists from here on
+        data = iter(trainer.dataloader)
+        mbs = trainer._next_microbatches(data)
+        data_bytes = sum(t.numel() * t.element_size() for mb in mbs for t in mb)
+        baseline = _live_tensor_bytes(trainer) + data_bytes
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            trainer.train_step(mbs)
+        peak = _peak_allocated(prof)
+        s = local_state_bytes(trainer.model_parts, trainer.optimizers)
+        buffers = sum(b.numel() * b.element_size() for m in trainer.model_parts for b in m.buffers())
+        parts = trainer.model_parts
+        pd = trainer.parallel_dims
+        work = rank_work(
+            cfg, pd, trainer.grad_accum, blocks=sum(len(m.layers) for m in parts),
+            holds_embedding=any(getattr(m, "tok_embeddings", None) is not None for m in parts),
+            holds_output=any(getattr(m, "output", None) is not None for m in parts),
+            pp_rank=pd.coordinate("pp")[0], stages_per_rank=len(parts),
+        )
+        state = StateBytes(params=s["params"], grads=s["params"], optimizer=s["optimizer"], buffers=buffers)
+        estimate = estimate_memory(ModelShape.from_args(trainer.model_args), state, work)
+        return baseline + peak, estimate
+    finally:
+        trainer.close()
+
+
+def main() -> None:
+    import tempfile
+
+    from tests.multiprocess import run_ranks
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", nargs="*")
+    args = ap.parse_args()
+    rows = []
+    for name, (world, extra) in RUNS.items():
+        if args.only and name not in args.only:
+            continue
+        results = run_ranks(_measure, world, extra, tempfile.mkdtemp(prefix="bench_mem_"))
+        measured, est = max(results, key=lambda r: r[0])
+        rows.append((name, measured, est))
+        print(f"{name}: measured {measured / 2**20:.1f} MiB, estimated {est.peak / 2**20:.1f} MiB", flush=True)
+        print(est.table(), flush=True)
+    print(f"\nCPU: {platform.processor() or platform.machine()}, torch {torch.__version__}; debugmodel fp32, "
+          f"seq 512, local batch 4\n")
+    print("| run | measured peak MiB | estimated MiB | estimate / measured |\n|---|---|---|---|")
+    for name, m, e in rows:
+        print(f"| {name} | {m / 2**20:.1f} | {e.peak / 2**20:.1f} | {e.peak / m:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Dry run on a fake process group: per-rank bytes equal what the layout gives by hand."""
+
+import math
+
+import torch
+
+from torchtitan.protocols.train_spec import config_manager
+from torchtitan.dry_run import main as dry_run_main
+from torchtitan.planning.dry_run import compress_names, dry_run
+
+# debugmodel_tiny: dim 64, 4 heads of 16, 2 kv heads, FFN hidden 192, vocab 2048 (shipped tokenizer).
+DIM, KV, HIDDEN, VOCAB = 64, 32, 192, 2048
+# (rows, cols) of each matrix of a block, and the norms
+BLOCK_MATRICES = [(DIM, DIM), (KV, DIM), (KV, DIM), (DIM, DIM), (HIDDEN, DIM), (DIM, HIDDEN), (HIDDEN, DIM)]
+BLOCK_NORMS = 2
+
+
+def cfg(*args):
+    return config_manager().parse_args(["--model.flavor", "debugmodel_tiny", "--training.seq_len", "64", *args])
+
+
+def shard_rows(rows: int, world: int, rank: int) -> int:
+    """Rows of dim-0 chunk `rank` of `world` (torch.chunk: ceil-sized chunks, the last ones shorter)."""
+    size = math.ceil(rows / world)
+    return max(0, min(size, rows - rank * size))
+
+
+def fsdp_elems(world: int, rank: int, n_layers: int = 2, head: bool = True, tail: bool = True) -> int:
+    n = 0
+    for _ in range(n_layers):
+        n += sum(shard_rows(r, world, rank) * c for r, c in BLOCK_MATRICES) + BLOCK_NORMS * shard_rows(DIM, world, rank)
+    if head:
+        n += shard_rows(VOCAB, world, rank) * DIM
+    if tail:
+        n += shard_rows(DIM, world, rank) + shard_rows(VOCAB, world, rank) * DIM
+    return n
+
+
+def test_fsdp_bytes_match_hand_count_including_uneven_shards():
+    report = dry_run(cfg(), world_size=3, ranks=[0, 2])
+    assert report.errors == []
+    for r in report.ranks:
+        elems = fsdp_elems(3, r.rank)
+        assert r.num_params == elems
+        assert r.param_bytes == r.grad_bytes == 4 * elems
+        # AdamW: exp_avg + exp_avg_sq shaped like the shard, and a float32 step per parameter tensor
+        assert r.optimizer_bytes == 8 * elems + 4 * (2 * 9 + 3)
+    assert report.ranks[0].num_params != report.ranks[1].num_params  # 64 rows over 3 ranks: 22, 22, 20
+
+
+def test_tp_x_fsdp_bytes_match_hand_count():
+    report = dry_run(cfg("--parallelism.tensor_parallel_degree", "2"), world_size=8, ranks=[5])
+    assert report.errors == [] and report.ranks[0].coordinates == {"dp_shard": 2, "tp": 1}
+    # Every matrix (embedding, output included) is split 8 ways; norms are replicated over tp, sharded over 4.
+    matrices = 2 * sum(r * c for r, c in BLOCK_MATRICES) + 2 * VOCAB * DIM
+    norms = (2 * BLOCK_NORMS + 1) * DIM
+    assert report.ranks[0].num_params == matrices // 8 + norms // 4
+
+
+def test_pp_x_fsdp_stages_and_bytes_match_hand_count():
+    c = cfg("--model.flavor", "debugmodel_tiny4", "--parallelism.pipeline_parallel_degree", "2",
+            "--training.local_batch_size", "2")
+    report = dry_run(c, world_size=4)  # default ranks: the first of each pp stage
+    assert report.errors == [] and [r.rank for r in report.ranks] == [0, 2]
+    first, last = report.ranks
+    # 4 layers + 1 (embedding) + 1 (output) units over 2 stages: embedding + 2 layers | 2 layers + norm + output
+    assert [s.modules for s in first.stages] == [("tok_embeddings", "layers.0-1")]
+    assert [s.modules for s in last.stages] == [("layers.2-3", "norm", "output")]
+    assert first.num_params == fsdp_elems(2, 0, n_layers=2, tail=False)
+    assert last.num_params == fsdp_elems(2, 0, n_layers=2, head=False)
+
+
+def test_optimizer_bytes_equal_a_real_adamw_state():
+    report = dry_run(cfg(), world_size=1)
+    from torchtitan.models.llama3 import Transformer
+
+    model = Transformer(report.plan.model_args)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 8, dtype=torch.long)).sum().backward()
+    opt.step()
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+    assert report.ranks[0].optimizer_bytes == state
+    assert report.ranks[0].param_bytes == sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_every_validation_error_is_one_line(capsys, tmp_path):
+    missing = str(tmp_path / "nope.model")
+    rc = dry_run_main(["--world-size", "6", "--model.flavor", "debugmodel_tiny", "--model.tokenizer_path", missing,
+                       "--parallelism.tensor_parallel_degree", "3"])
+    out = capsys.readouterr().out
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert rc == 1 and len(errors) == 2, out
+    assert "nope.model" in errors[0] and "vocab_size 2048" in errors[0]
+    assert "tensor_parallel_degree 3" in errors[1]
+    assert dry_run_main(["--world-size", "many"]) == 2
+
+
+def test_compress_names():
+    assert compress_names(["tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.5", "norm"]) == (
+        "tok_embeddings", "layers.0-2", "layers.5", "norm")
+
+
+def test_balanced_split_mode_builds_through_the_real_pipeline_function():
+    c = cfg("--model.flavor", "debugmodel_tiny4", "--parallelism.pipeline_parallel_degree", "2",
+            "--training.local_batch_size", "2", "--parallelism.pipeline_parallel_split", "balanced")
+    report = dry_run(c, world_size=2)
+    # The output (2048 x 64) costs ~2.3 blocks of debugmodel_tiny4, so the last stage keeps one block only.
+    assert [s.modules for r in report.ranks for s in r.stages] == [
+        ("tok_embeddings", "layers.0-2"), ("layers.3", "norm", "output")]

@@ -1,0 +1,49 @@
+"""The estimator's activation formula against the saved-tensor bytes tools/activation_memory.py measures."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from torchtitan.components.loss import cross_entropy_sum
+from torchtitan.config.job_config import ActivationCheckpoint
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.models.llama3 import Transformer, llama3_flavors
+from torchtitan.planning.memory import ModelShape, RankWork, StateBytes, block_elems_per_token, estimate_memory
+from torchtitan.tools.activation_memory import activation_bytes
+
+TINY = llama3_flavors["debugmodel_tiny"]
+SHAPES = {
+    "tiny (GQA 4/2)": TINY,
+    "wider FFN, no GQA": dataclasses.replace(TINY, dim=96, n_heads=6, n_kv_heads=6, multiple_of=128),
+}
+MODES = {"none": ActivationCheckpoint(mode="none"), "op": ActivationCheckpoint(mode="selective"),
+         "full": ActivationCheckpoint(mode="full")}
+
+
+@pytest.mark.parametrize("ac", MODES)
+@pytest.mark.parametrize("name", SHAPES)
+def test_block_formula_matches_measured_saved_bytes(name, ac):
+    args = SHAPES[name]
+    torch.manual_seed(0)
+    model = Transformer(args)
+    apply_ac(model, MODES[ac])
+    batch, seq = 2, 64
+    x = torch.randint(0, args.vocab_size, (batch, seq))
+    measured = activation_bytes(model, lambda: cross_entropy_sum(model(x), x))["0"]
+    predicted = block_elems_per_token(ModelShape.from_args(args), ac) * batch * seq * 4
+    assert predicted == pytest.approx(measured, rel=0.02)
+
+
+def test_components_add_up_and_gpu_overheads_are_cpu_free():
+    shape = ModelShape.from_args(TINY)
+    state = StateBytes(params=1000, grads=1000, optimizer=2000)
+    cpu = estimate_memory(shape, state, RankWork(tokens_per_microbatch=128, blocks=2, grads_live=True))
+    gpu = estimate_memory(shape, state, RankWork(tokens_per_microbatch=128, blocks=2, grads_live=True, on_gpu=True))
+    assert cpu.peak == sum(cpu.components.values()) and cpu.components["gradients"] == 1000
+    assert cpu.components["allocator overhead"] == 0 and gpu.components["allocator overhead"] > 0
+    # AC changes the blocks' share only: by the formula's difference, per token, block and in-flight microbatch.
+    full = estimate_memory(shape, state, RankWork(tokens_per_microbatch=128, blocks=2, ac="full", in_flight=3))
+    none = estimate_memory(shape, state, RankWork(tokens_per_microbatch=128, blocks=2, in_flight=3))
+    per_token = block_elems_per_token(shape, "none") - block_elems_per_token(shape, "full")
+    assert none.components["activations"] - full.components["activations"] == pytest.approx(per_token * 4 * 128 * 2 * 3)

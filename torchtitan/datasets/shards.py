@@ -1,0 +1,123 @@
+"""Pre-tokenized shards: the on-disk format written by `python -m torchtitan.datasets.pretokenize`.
+
+A shard folder holds one split of one source:
+
+    <folder>/manifest.json          what the shards are: source, tokenizer (name + sha256), dtype, parts
+    <folder>/part-00000.tokens      the tokens of documents [0, N), concatenated (raw little-endian uint16/32)
+    <folder>/part-00000.docs        int64 end offset of each document inside the part (the document index)
+    <folder>/part-00000.json        written last: marks the part complete (resumable writing)
+
+Every document is stored as the training stream packs it: BOS, its tokens, EOS. The concatenation of all
+parts in order is the same token stream the raw-text loader builds, so a run reads the same windows from
+shards as from raw text; window w is tokens [w*W, (w+1)*W) of it, read through a memory map without
+touching any other window.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from torchtitan.components.tokenizer import Tokenizer
+
+MANIFEST = "manifest.json"
+FORMAT = "torchtitan-shards-v1"
+
+
+def is_shard_folder(path: str | os.PathLike[str]) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> dict:
+    """Name and content hash of a tokenizer: two files with one name but different merges differ here."""
+    path = Path(getattr(tokenizer, "path"))
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    return {"name": path.name, "sha256": digest, "vocab_size": tokenizer.vocab_size}
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+
+
+def part_name(index: int) -> str:
+    return f"part-{index:05d}"
+
+
+def write_part(folder: Path, index: int, docs: list[list[int]], dtype: np.dtype) -> dict:
+    """Writes one part atomically enough to resume: data files first, the small json marker last."""
+    name = part_name(index)
+    tokens = np.fromiter((t for d in docs for t in d), dtype=dtype)
+    ends = np.cumsum([len(d) for d in docs], dtype=np.int64)
+    for suffix, array in ((".tokens", tokens), (".docs", ends)):
+        tmp = folder / f"{name}{suffix}.tmp"
+        array.tofile(tmp)
+        os.replace(tmp, folder / f"{name}{suffix}")
+    meta = {"name": name, "num_docs": len(docs), "num_tokens": int(tokens.size)}
+    tmp = folder / f"{name}.json.tmp"
+    tmp.write_text(json.dumps(meta))
+    os.replace(tmp, folder / f"{name}.json")
+    return meta
+
+
+def read_part_meta(folder: Path, index: int) -> dict | None:
+    path = folder / f"{part_name(index)}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+@dataclass
+class ShardSet:
+    """The token stream of a shard folder, memory-mapped; `tokens(start, n)` reads across part borders."""
+
+    folder: Path
+    manifest: dict
+
+    def __post_init__(self) -> None:
+        dtype = np.dtype(self.manifest["dtype"])
+        self._parts = [
+            np.memmap(self.folder / f"{p['name']}.tokens", dtype=dtype, mode="r") if p["num_tokens"] else None
+            for p in self.manifest["parts"]
+        ]
+        self._starts = np.cumsum([0] + [p["num_tokens"] for p in self.manifest["parts"]])
+        self.num_tokens = int(self._starts[-1])
+
+    @property
+    def name(self) -> str:
+        return self.manifest["name"]
+
+    def tokens(self, start: int, count: int) -> np.ndarray:
+        if start < 0 or start + count > self.num_tokens:
+            raise IndexError(f"tokens [{start}, {start + count}) outside the {self.num_tokens} of {self.folder}")
+        out = []
+        part = int(np.searchsorted(self._starts, start, side="right")) - 1
+        while count > 0:
+            local = start - int(self._starts[part])
+            chunk = self._parts[part][local : local + count] if self._parts[part] is not None else []
+            out.append(np.asarray(chunk, dtype=np.int64))
+            start, count, part = start + len(chunk), count - len(chunk), part + 1
+        return np.concatenate(out)
+
+
+def open_shards(folder: str | os.PathLike[str], tokenizer: Tokenizer) -> ShardSet:
+    """The shards at `folder`, refused in one line if missing, incomplete or from another tokenizer."""
+    folder = Path(folder)
+    if not is_shard_folder(folder):
+        raise FileNotFoundError(
+            f"{folder} is not a shard folder (no {MANIFEST}); "
+            "write one with `python -m torchtitan.datasets.pretokenize`"
+        )
+    manifest = json.loads((folder / MANIFEST).read_text())
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{folder}: unknown shard format {manifest.get('format')!r} (expected {FORMAT})")
+    written, ours = manifest["tokenizer"], tokenizer_fingerprint(tokenizer)
+    if written["sha256"] != ours["sha256"]:
+        raise ValueError(
+            f"shards {folder} were written with tokenizer {written['name']} (sha256 {written['sha256'][:12]}), "
+            f"but this run uses {ours['name']} (sha256 {ours['sha256'][:12]}): set --model.tokenizer_path to the "
+            f"shards' tokenizer or re-run pretokenize with this one"
+        )
+    return ShardSet(folder, manifest)

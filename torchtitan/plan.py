@@ -1,0 +1,64 @@
+"""Layout planner: which parallel layout, AC mode and batch split to train a model with on N devices.
+
+    python -m torchtitan.plan --model llama3 --flavor 8B --devices 8 --device-type H100-80GB \
+        --seq-len 8192 --global-batch-size 16 [--top 3] [--mfu 0.5]
+
+Prints the fastest layouts that fit, each with its predicted throughput, where the time goes, its peak
+memory, and the TOML to paste into a recipe. See docs/planning.md for the model and its assumptions.
+"""
+
+import argparse
+import sys
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m torchtitan.plan", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama3")
+    ap.add_argument("--flavor", required=True)
+    ap.add_argument("--devices", type=int, required=True)
+    ap.add_argument("--device-type", default="H100-80GB")
+    ap.add_argument("--seq-len", type=int, required=True)
+    ap.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer step")
+    ap.add_argument("--vocab-size", type=int, default=None, help="default: the flavor's")
+    ap.add_argument("--top", type=int, default=3)
+    ap.add_argument("--mfu", type=float, default=None, help="fraction of peak the matmuls reach (default 0.5)")
+    a = ap.parse_args(argv)
+    import dataclasses
+
+    from torchtitan.errors import USER_ERRORS
+    from torchtitan.planning.hardware import get_device
+    from torchtitan.planning.memory import ModelShape
+    from torchtitan.planning.planner import explain, plan_layouts
+    from torchtitan.planning.step_time import DEFAULT_MFU
+    from torchtitan.protocols.train_spec import get_flavor, get_train_spec
+
+    try:
+        device = get_device(a.device_type)
+        args = get_flavor(get_train_spec(a.model), a.flavor)
+        if a.vocab_size:
+            args = dataclasses.replace(args, vocab_size=a.vocab_size)
+        if not hasattr(args, "hidden_dim"):
+            raise ValueError(f"the planner's formulas are for Llama-style blocks; model {a.model!r} has none")
+        if a.devices < 1 or a.seq_len < 1 or a.global_batch_size < 1:
+            raise ValueError("--devices, --seq-len and --global-batch-size must be positive")
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = plan_layouts(ModelShape.from_args(args), device, a.devices, a.seq_len, a.global_batch_size,
+                          a.mfu or DEFAULT_MFU)
+    dropped = ", ".join(f"{n} {why}" for why, n in result.dropped.items())
+    print(f"{a.model} {a.flavor} on {a.devices} x {device.name}, seq {a.seq_len}, global batch "
+          f"{a.global_batch_size}: {len(result.ranked)} layouts fit ({dropped})\n")
+    if not result.ranked:
+        print("error: no layout fits; add devices, shorten --seq-len or lower --global-batch-size", file=sys.stderr)
+        return 1
+    best = result.ranked[0].time.total
+    for i, c in enumerate(result.ranked[: a.top], 1):
+        lead = "fastest" if i == 1 else f"{100 * (c.time.total / best - 1):.1f}% slower than #1"
+        print(f"#{i} ({lead}): {explain(c, a.seq_len, a.global_batch_size, device)}")
+        print("  " + c.layout.toml(a.seq_len, a.global_batch_size).replace("\n", "\n  ") + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

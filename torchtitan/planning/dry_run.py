@@ -1,0 +1,288 @@
+"""Dry run: build a job's real mesh, model and parallelisation for chosen ranks of an N-rank world in one
+CPU process, and report what each rank would hold.
+
+A fake process group (torch's testing backend "fake": collectives return at once, moving nothing) lets
+one process take the place of any rank of any world size. The model is built on the meta device, so
+nothing is allocated: parameters are DTensors whose local shards have real shapes, and those shapes are
+what the rank would hold. The job is judged by `plan_job` and parallelised by the train spec's own
+`parallelize_fn` / `pipelining_fn`, exactly as the trainer does, so a layout the dry run accepts is one
+the trainer accepts.
+
+Bytes per rank:
+  parameters  local shard sizes of every parameter of the rank's model parts (training.dtype)
+  gradients   the same for trainable parameters: FSDP2 keeps sharded gradients in the parameter dtype
+  optimizer   Adam/AdamW: exp_avg and exp_avg_sq shaped like each parameter's shard, plus a float32
+              `step` per parameter tensor (torch's non-capturable CPU/GPU default)
+  buffers     non-parameter tensors of the parts (e.g. the RoPE table), replicated on every rank
+"""
+
+import contextlib
+import copy
+import dataclasses
+import time
+from collections.abc import Sequence
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from torchtitan.config import JobConfig
+from torchtitan.errors import USER_ERRORS
+from torchtitan.job_plan import JobPlan, plan_job
+from torchtitan.planning.hardware import Device
+from torchtitan.planning.memory import MemoryEstimate, ModelShape, StateBytes, estimate_memory, rank_work
+from torchtitan.protocols.train_spec import get_flavor, get_train_spec
+
+OPTIMIZER_STATES_PER_PARAM = {"Adam": 2, "AdamW": 2}
+"""Tensors shaped like the parameter that each optimizer keeps (besides its scalar step)."""
+STEP_BYTES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class StageContents:
+    index: int
+    num_stages: int
+    modules: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class RankReport:
+    rank: int
+    coordinates: dict[str, int]
+    num_params: int
+    """Elements of the rank's local parameter shards."""
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    buffer_bytes: int
+    stages: tuple[StageContents, ...]
+    """The pipeline stages this rank holds (empty without pipeline parallel)."""
+    memory: MemoryEstimate | None = None
+    """Estimated peak memory by component (None when the model has no estimator formula)."""
+
+    @property
+    def model_state_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.buffer_bytes
+
+
+@dataclasses.dataclass
+class DryRunReport:
+    world_size: int
+    model: str
+    layout: str
+    ranks: list[RankReport]
+    errors: list[str]
+    seconds: float
+    plan: JobPlan | None = None
+
+
+def default_ranks(pp: int, world_size: int) -> list[int]:
+    """The first rank of every pipeline stage group (pp is the outermost mesh dimension), so the report
+    shows every stage; rank 0 alone without pipeline parallel."""
+    return [s * (world_size // pp) for s in range(pp)]
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int):
+    """This process acts as `rank` of a `world_size` world whose collectives do nothing."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a dry run needs a process without a process group of its own")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _unused_loss(logits, labels):
+    raise RuntimeError("a dry run never runs a training step")
+
+
+def build_model_parts(plan: JobPlan, cfg: JobConfig) -> tuple[list[nn.Module], list]:
+    """The rank's model parts, parallelised the way the trainer does it, and its pipeline stages (empty
+    without PP). The one place the dry run calls the train spec's parallelisation."""
+    pd = plan.parallel_dims
+    model = copy.deepcopy(plan.model)  # parallelising changes a model in place; each rank gets its own copy
+    if not pd.pp_enabled:
+        return [plan.spec.parallelize_fn(model, pd, cfg)], []
+    pipeline = plan.spec.pipelining_fn(model, pd, cfg, torch.device("cpu"), plan.spec.parallelize_fn, _unused_loss)
+    schedule = pipeline.schedule
+    return pipeline.parts, list(getattr(schedule, "_stages", None) or [schedule._stage])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _bytes(t: torch.Tensor) -> int:
+    local = _local(t)
+    return local.numel() * local.element_size()
+
+
+def compress_names(names: Sequence[str]) -> tuple[str, ...]:
+    """("tok_embeddings", "layers.0", "layers.1", "layers.2", "norm") -> ("tok_embeddings", "layers.0-2", "norm")."""
+    out: list[str] = []
+    run: list[int] = []
+
+    def flush():
+        if run:
+            out.append(f"layers.{run[0]}" if len(run) == 1 else f"layers.{run[0]}-{run[-1]}")
+            run.clear()
+
+    for n in names:
+        if n.startswith("layers.") and n[7:].isdigit() and (not run or int(n[7:]) == run[-1] + 1):
+            run.append(int(n[7:]))
+        else:
+            flush()
+            if n.startswith("layers.") and n[7:].isdigit():
+                run.append(int(n[7:]))
+            else:
+                out.append(n)
+    flush()
+    return tuple(out)
+
+
+def part_modules(part: nn.Module) -> list[str]:
+    """Top-level modules a model part holds, blocks of `layers` by key."""
+    names = []
+    for name, child in part.named_children():
+        if name == "layers":
+            names += [f"layers.{k}" for k in child.keys()]
+        elif child is not None:
+            names.append(name)
+    return names
+
+
+def rank_report(
+    rank: int, plan: JobPlan, cfg: JobConfig, parts: list[nn.Module], stages: list, on_gpu: bool = False
+) -> RankReport:
+    params = {id(p): p for part in parts for p in part.parameters()}.values()
+    buffers = {id(b): b for part in parts for b in part.buffers()}.values()
+    param_bytes = sum(_bytes(p) for p in params)
+    trainable = [p for p in params if p.requires_grad]
+    grad_bytes = sum(_bytes(p) for p in trainable)
+    n_states = OPTIMIZER_STATES_PER_PARAM.get(cfg.optimizer.name, 2)
+    optimizer_bytes = n_states * grad_bytes + STEP_BYTES * len(trainable)
+    mesh = plan.parallel_dims.world_mesh
+    coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    buffer_bytes = sum(_bytes(b) for b in buffers)
+    memory = None
+    if hasattr(plan.model_args, "hidden_dim"):  # the estimator's formula is that of a Llama-style block
+        pp_rank = coords.get("pp", 0)
+        work = rank_work(
+            cfg, plan.parallel_dims, plan.grad_accum,
+            blocks=sum(len(p.layers) for p in parts),
+            holds_embedding=any(getattr(p, "tok_embeddings", None) is not None for p in parts),
+            holds_output=any(getattr(p, "output", None) is not None for p in parts),
+            pp_rank=pp_rank, stages_per_rank=max(1, len(stages)), on_gpu=on_gpu,
+        )
+        state = StateBytes(param_bytes, grad_bytes, optimizer_bytes, buffer_bytes)
+        memory = estimate_memory(ModelShape.from_args(plan.model_args), state, work)
+    return RankReport(
+        rank=rank,
+        coordinates=coords,
+        num_params=sum(_local(p).numel() for p in params),
+        param_bytes=param_bytes,
+        grad_bytes=grad_bytes,
+        optimizer_bytes=optimizer_bytes,
+        buffer_bytes=buffer_bytes,
+        stages=tuple(
+            StageContents(s.stage_index, s.num_stages, compress_names(part_modules(s.submod))) for s in stages
+        ),
+        memory=memory,
+    )
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def dry_run(
+    cfg: JobConfig, world_size: int, ranks: Sequence[int] | None = None, device: Device | None = None
+) -> DryRunReport:
+    """Judges the job for `world_size` ranks and builds the requested ranks (default: see default_ranks).
+    With a target `device`, the memory estimate includes the GPU's allocator and runtime overheads and a
+    rank whose estimate exceeds its memory is an error.
+    Every problem found becomes one line of `errors`; a tokenizer file that is missing is reported and the
+    flavor's vocabulary used instead, so the layout is still checked."""
+    start = time.perf_counter()
+    errors: list[str] = []
+    tokenizer = None
+    try:
+        get_train_spec(cfg.model.name).build_tokenizer_fn(cfg)
+    except FileNotFoundError as e:
+        try:
+            vocab = get_flavor(get_train_spec(cfg.model.name), cfg.model.flavor).vocab_size
+            errors.append(f"{_one_line(e)} (the dry run goes on with the flavor's vocab_size {vocab})")
+            tokenizer = SimpleNamespace(vocab_size=vocab)
+        except USER_ERRORS as e2:
+            errors.append(_one_line(e2))
+    except USER_ERRORS as e:
+        errors.append(_one_line(e))
+    report = DryRunReport(world_size, f"{cfg.model.name} {cfg.model.flavor}", "", [], errors, 0.0)
+    try:
+        plan = plan_job(cfg, world_size, tokenizer)
+    except USER_ERRORS as e:
+        if not errors or _one_line(e) not in errors[0]:
+            errors.append(_one_line(e))
+        report.seconds = time.perf_counter() - start
+        return report
+    pd = plan.parallel_dims
+    report.plan = plan
+    report.layout = " x ".join(
+        f"{name} {getattr(pd, name)}" for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if getattr(pd, name) > 1
+    ) or "single rank"
+    wanted = list(ranks) if ranks is not None else default_ranks(pd.pp, world_size)
+    bad = [r for r in wanted if not 0 <= r < world_size]
+    if bad:
+        errors.append(f"--ranks {bad} outside the world of {world_size} ranks (0..{world_size - 1})")
+        wanted = [r for r in wanted if 0 <= r < world_size]
+    for rank in wanted:
+        try:
+            with fake_process_group(rank, world_size):
+                pd.build_mesh("cpu")
+                parts, stages = build_model_parts(plan, cfg)
+                r = rank_report(rank, plan, cfg, parts, stages, on_gpu=device is not None)
+                report.ranks.append(r)
+                if device is not None and r.memory is not None and r.memory.peak > device.memory_bytes:
+                    errors.append(
+                        f"rank {rank}: estimated peak memory {r.memory.peak / 2**30:.1f} GiB exceeds the "
+                        f"{device.name}'s {device.memory_bytes / 2**30:.0f} GiB; shard more (FSDP/TP/PP), use "
+                        f"--activation_checkpoint.mode full or a smaller local batch"
+                    )
+        except USER_ERRORS as e:
+            line = f"rank {rank}: {_one_line(e)}"
+            if line.split(": ", 1)[1] not in [x.split(": ", 1)[-1] for x in errors]:
+                errors.append(line)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def format_report(report: DryRunReport) -> str:
+    lines = [f"dry run: {report.model} on {report.world_size} ranks ({report.layout or 'not built'}), "
+             f"{report.seconds:.1f} s"]
+    if report.ranks:
+        lines.append(f"{'rank':>6}  {'coordinates':<28} {'params':>14} {'param GiB':>10} {'grad GiB':>9} "
+                     f"{'optim GiB':>10} {'buffer GiB':>10} {'total GiB':>10}")
+        for r in report.ranks:
+            coords = " ".join(f"{k}={v}" for k, v in r.coordinates.items())
+            lines.append(
+                f"{r.rank:>6}  {coords:<28} {r.num_params:>14,} {_gib(r.param_bytes):>10} {_gib(r.grad_bytes):>9} "
+                f"{_gib(r.optimizer_bytes):>10} {_gib(r.buffer_bytes):>10} {_gib(r.model_state_bytes):>10}"
+            )
+        for r in report.ranks:
+            for s in r.stages:
+                lines.append(f"rank {r.rank} holds stage {s.index} of {s.num_stages}: {', '.join(s.modules)}")
+        for r in report.ranks:
+            if r.memory is not None:
+                lines.append(f"estimated peak memory of rank {r.rank}:\n{r.memory.table()}")
+    lines += [f"error: {e}" for e in report.errors] or ["no validation errors"]
+    return "\n".join(lines)

@@ -1,0 +1,191 @@
+"""Per-rank peak memory of a training layout, by component.
+
+    peak = model states (parameter, gradient and optimizer shards, buffers: the dry run's real sizes)
+         + activations kept for backward (a per-block formula per AC mode) x microbatches in flight
+         + the loss's temporaries (logits, fp32 gradients of the log-probabilities and of the logits)
+         + communication/temporary buffers (FSDP's unsharded block parameters and gradients)
+         + allocator overhead (CUDA caching allocator: a stated fraction; CPU: none)
+         + CUDA context and NCCL buffers (GPU: a stated constant; CPU: none)
+
+Activation formula, elements per token of one transformer block (D model dim, H FFN hidden, KV the
+key/value width, h heads), measured with torchtitan/tools/activation_memory.py on three shapes (see
+docs/planning.md) and exact there:
+    AC none          10 D + 4 H + h          (norm inputs/outputs, q, attention output, FFN w1/w3/silu/product, lse)
+    AC selective op   5 D + 2 KV + 2 H + h   (matmul and attention outputs only)
+    AC full           D                      (the block input)
+Tensor parallel with sequence parallel divides everything by tp except, without AC, the two all-gathered
+norm outputs the attention and FFN projections keep (2 D). Context parallel divides tokens by cp.
+"""
+
+import dataclasses
+
+RUNTIME_BYTES_GPU = 2 * 2**30
+"""CUDA context, NCCL's communicator buffers and cuBLAS workspaces per GPU, outside PyTorch's allocator;
+stated, not measured here."""
+ALLOCATOR_OVERHEAD_GPU = 0.08
+"""Reserved-but-unused fraction of PyTorch's CUDA caching allocator at peak, a typical figure for these
+transformer steps (fragmentation between differently sized blocks); stated, not measured here."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    dim: int
+    hidden: int
+    kv_dim: int
+    n_heads: int
+    vocab: int
+    n_layers: int
+
+    @classmethod
+    def from_args(cls, a) -> "ModelShape":
+        return cls(a.dim, a.hidden_dim, a.num_kv_heads * a.head_dim, a.n_heads, a.vocab_size, a.n_layers)
+
+    @property
+    def block_params(self) -> int:
+        return 2 * self.dim * self.dim + 2 * self.dim * self.kv_dim + 3 * self.dim * self.hidden + 2 * self.dim
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    params: int
+    grads: int
+    optimizer: int
+    buffers: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RankWork:
+    """What one rank computes in a step, as the estimator needs it."""
+
+    tokens_per_microbatch: int
+    """Tokens of one microbatch on this rank before context parallel (sequences x seq_len)."""
+    blocks: int
+    """Transformer blocks this rank holds (all its pipeline stages together)."""
+    holds_embedding: bool = True
+    holds_output: bool = True
+    in_flight: float = 1
+    """Microbatches whose activations are alive together (1 without PP; up to pp under 1F1B)."""
+    grads_live: bool = False
+    """Gradients already exist while activations peak (gradient accumulation or several PP microbatches)."""
+    tp: int = 1
+    cp: int = 1
+    fsdp: int = 1
+    """Ranks the parameters are sharded over (dp_shard x cp); 1 = no FSDP gathers."""
+    ac: str = "none"
+    """none | op (selective op) | full | an integer k (selective: every k-th block checkpointed)."""
+    act_bytes: int = 4
+    """Bytes per activation element (the compute dtype: 2 for bf16 mixed precision)."""
+    gathered_param_bytes: int = 4
+    on_gpu: bool = False
+
+
+@dataclasses.dataclass
+class MemoryEstimate:
+    components: dict[str, int]
+
+    @property
+    def peak(self) -> int:
+        return sum(self.components.values())
+
+    def table(self, capacity: float | None = None) -> str:
+        rows = [f"  {k:<34} {v / 2**30:>9.3f} GiB" for k, v in self.components.items()]
+        rows.append(f"  {'peak':<34} {self.peak / 2**30:>9.3f} GiB")
+        if capacity:
+            rows[-1] += f"  ({100 * self.peak / capacity:.0f}% of {capacity / 2**30:.0f} GiB)"
+        return "\n".join(rows)
+
+
+def block_elems_per_token(shape: ModelShape, ac: str, tp: int = 1) -> float:
+    """Activation elements one block keeps per token of the microbatch (see the module docstring)."""
+    d, h, kv, nh = shape.dim, shape.hidden, shape.kv_dim, shape.n_heads
+    none = 2 * d + (8 * d + 4 * h + nh) / tp if tp > 1 else 10 * d + 4 * h + nh
+    if ac == "none":
+        return none
+    if ac == "op":
+        return (5 * d + 2 * kv + 2 * h + nh) / tp
+    if ac == "full":
+        return d / tp
+    k = int(ac)  # selective every k-th block: 1/k of the blocks keep only their input
+    return (none * (k - 1) + d / tp) / k
+
+
+def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> MemoryEstimate:
+    w = work
+    tokens = w.tokens_per_microbatch / w.cp
+    vocab_local = shape.vocab / w.tp
+    blocks = block_elems_per_token(shape, w.ac, w.tp) * w.blocks * w.act_bytes
+    outside = (shape.dim * w.act_bytes / w.tp if w.holds_embedding else 0) + (
+        2 * shape.dim * w.act_bytes / w.tp + 4 * vocab_local if w.holds_output else 0
+    )
+    if not w.holds_embedding:
+        outside += shape.dim * w.act_bytes / w.tp  # the stage input received from the previous stage
+    activations = int(tokens * (blocks + outside) * w.in_flight)
+    # When backward starts: the logits (still referenced by the caller), the fp32 gradient of the
+    # log-probabilities and the fp32 gradient of the logits, each over the (local) vocabulary.
+    loss_temp = int(tokens * vocab_local * (w.act_bytes + 2 * 4)) if w.holds_output else 0
+    # FSDP: the current and the prefetched block's parameters gathered, and one block's unsharded gradient.
+    fsdp_buffers = 0
+    if w.fsdp > 1:
+        fsdp_buffers = int(shape.block_params / w.tp * (2 * w.gathered_param_bytes + 4))
+    c = {
+        "parameters": state.params,
+        "gradients": state.grads,
+        "optimizer state": state.optimizer,
+        "buffers": state.buffers,
+        "activations": activations,
+        "loss temporaries": loss_temp,
+        "FSDP gather/reduce buffers": fsdp_buffers,
+    }
+    # Gradients and activations overlap only partly: while backward frees a block's activations it creates
+    # that block's gradients. Without gradients from an earlier microbatch the peak is the larger of the two.
+    if not w.grads_live:
+        overlap = min(state.grads, activations + loss_temp)
+        c["gradients"] = state.grads - overlap
+    total = sum(c.values())
+    c["allocator overhead"] = int(ALLOCATOR_OVERHEAD_GPU * total) if w.on_gpu else 0
+    c["CUDA context and NCCL buffers"] = RUNTIME_BYTES_GPU if w.on_gpu else 0
+    return MemoryEstimate(c)
+
+
+def ac_key(ac_cfg) -> str:
+    """The estimator's AC key for an ActivationCheckpoint config section."""
+    if ac_cfg.mode == "selective":
+        return "op" if ac_cfg.selective_ac_option == "op" else str(int(ac_cfg.selective_ac_option))
+    if ac_cfg.mode == "memory_budget":
+        raise ValueError("the memory estimator has no formula for --activation_checkpoint.mode memory_budget")
+    return ac_cfg.mode
+
+
+def in_flight_microbatches(schedule: str, n_microbatches: int, pp: int, pp_rank: int, stages_per_rank: int) -> float:
+    """(stage, microbatch) forwards whose activations a pp rank keeps at once, in units of one whole stage
+    of this rank: GPipe all of them; 1F1B the pp - rank warm-up forwards; looped schedules their warm-up,
+    (v - 1) x pp + 2 x (pp - 1 - rank) + 1 forwards of single stages (v = stages per rank). The
+    estimator multiplies by the blocks of all local stages, hence the division by v."""
+    v = stages_per_rank
+    if schedule == "GPipe":
+        return n_microbatches
+    if v == 1:
+        return min(n_microbatches, pp - pp_rank)
+    return min(v * n_microbatches, (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1) / v
+
+
+def rank_work(cfg, parallel_dims, grad_accum: int, *, blocks: int, holds_embedding: bool, holds_output: bool,
+              pp_rank: int = 0, stages_per_rank: int = 1, on_gpu: bool = False) -> RankWork:
+    """RankWork of a job's rank from its config and layout (what the dry run knows about it)."""
+    pd, t, p = parallel_dims, cfg.training, cfg.parallelism
+    compute = t.mixed_precision_param if (pd.fsdp_enabled or t.dtype == "float32") else t.dtype
+    act_bytes = 2 if compute in ("bfloat16", "float16") else 4
+    if pd.pp_enabled:
+        n_mb = t.local_batch_size // p.pipeline_parallel_microbatch_size
+        tokens = p.pipeline_parallel_microbatch_size * t.seq_len
+        per_stage = in_flight_microbatches(p.pipeline_parallel_schedule, n_mb, pd.pp, pp_rank, stages_per_rank)
+        in_flight = per_stage
+        grads_live = n_mb > 1 or grad_accum > 1
+    else:
+        tokens, in_flight, grads_live = t.local_batch_size * t.seq_len, 1, grad_accum > 1
+    return RankWork(
+        tokens_per_microbatch=tokens, blocks=blocks, holds_embedding=holds_embedding, holds_output=holds_output,
+        in_flight=in_flight, grads_live=grads_live, tp=pd.tp, cp=pd.cp,
+        fsdp=pd.dp_shard * pd.cp if pd.fsdp_enabled else 1, ac=ac_key(cfg.activation_checkpoint),
+        act_bytes=act_bytes, gathered_param_bytes=act_bytes, on_gpu=on_gpu,
+    )
