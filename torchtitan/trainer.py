@@ -39,7 +39,7 @@ from torchtitan.tools.device_peak import peak_flops
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.memory import MemoryMonitor
 from torchtitan.tools.params import count_params
-from torchtitan.tools.precision import DTYPE_NAMES, emulation_warning
+from torchtitan.tools.precision import emulation_warning
 from torchtitan.tools.preemption import PreemptionWatch
 from torchtitan.tools.profiling import Profiler
 
@@ -67,8 +67,6 @@ class Trainer:
         logger.info(f"Precision: {precision.reason}")
         if precision.emulated and self.rank == 0:
             logger.warning(emulation_warning(precision, self.device))
-        # parallelize_fn builds FSDP's mixed-precision policy from the config: it reads the resolved dtype.
-        cfg.training.mixed_precision_param = DTYPE_NAMES[precision.mixed]
         self.mesh = pd.build_mesh(self.device.type) if self.world_size > 1 else None
         self.dp_rank, self.dp_degree = pd.coordinate("dp") if self.mesh else (0, 1)
         seed = dist_utils.set_determinism(cfg.debug, self.device)
