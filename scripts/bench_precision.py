@@ -39,7 +39,7 @@ def main() -> None:
     print(f"{cpu_model_name()}{f' (ONEDNN_MAX_CPU_ISA={isa})' if isa else ''}, {a.threads} threads, "
           f"{a.size}x{a.size} F.linear: fp32 {gflops[torch.float32]:.1f} GFLOP/s, bf16 "
           f"{gflops[torch.bfloat16]:.1f} GFLOP/s, bf16/fp32 {gflops[torch.bfloat16] / gflops[torch.float32]:.2f}x")
-    print(resolve_precision("float32", "auto", torch.device("cpu")).reason)
+    print(resolve_precision("float32", "auto", torch.device("cpu")).reason, flush=True)
 
 
 if __name__ == "__main__":
