@@ -25,11 +25,12 @@ done
 # report from every process.
 "$PYTHON" -m torchtitan.preflight --world-size "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
 
-# Restarts are counted by torchtitan.tools.restart (one torchrun per attempt), which can tell a repeated
-# failure from a new one; with --checkpoint.enable every attempt resumes from the last complete checkpoint.
+# One attempt = torchtitan.launch (torchrun; a rank's user error comes back as its one line). Restarts are
+# counted by torchtitan.tools.restart around it, which can tell a repeated failure from a new one; with
+# --checkpoint.enable every attempt resumes from the last complete checkpoint.
 exec "$PYTHON" -m torchtitan.tools.restart --max-restarts "${MAX_RESTARTS:-0}" \
     --same-failure-limit "${SAME_FAILURE_LIMIT:-3}" -- \
-    "$PYTHON" -m torch.distributed.run --nproc_per_node="$NGPU" --max-restarts 0 \
+    "$PYTHON" -m torchtitan.launch --nproc_per_node="$NGPU" --max-restarts 0 \
     --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
     --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 \
     -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"

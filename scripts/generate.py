@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = job_config_of(args.checkpoint, overrides)
         model, spec, tokenizer, model_args = build_cpu_model(cfg)
-        load_model_weights(model, args.checkpoint, spec.state_dict_adapter)
+        load_model_weights(model, args.checkpoint, spec.state_dict_adapter, model_args)
         new = generate(
             model,
             tokenizer.encode(args.prompt, bos=True, eos=False),

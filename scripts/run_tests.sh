@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 source scripts/ensure_env.sh test
 scripts/ensure_slurm.sh  # on CI as root: Slurm for the slurm-marked test (it skips without)
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
-exec "$PYTHON" -m pytest -q "$@"
+# --durations: every run ends with its 10 slowest tests, so a test that starts to crawl shows up at once.
+exec "$PYTHON" -m pytest -q --durations=10 "$@"

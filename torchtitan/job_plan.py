@@ -21,8 +21,9 @@ from torchtitan.distributed.compile import check_compile_config, compiles
 from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims, parallel_dims_from_config
 from torchtitan.distributed.parallel_dims import device_type as parallel_dims_device_type
 from torchtitan.distributed.pipeline import PipelinePlan, plan_model_pipeline
+from torchtitan.job_checks import check_job_values
 from torchtitan.protocols.train_spec import TrainSpec, get_flavor, get_train_spec
-from torchtitan.tools.precision import DTYPES
+from torchtitan.tools.precision import Precision, resolve_precision
 
 
 @dataclasses.dataclass
@@ -39,6 +40,8 @@ class JobPlan:
     """The whole model on the meta device, cast to training.dtype and converted (e.g. Float8)."""
     converters: ModelConverters
     pipeline_plan: PipelinePlan | None
+    precision: Precision
+    """The dtypes the job trains in on its device ("auto" resolved)."""
 
 
 def resolve_model(cfg: JobConfig, tokenizer: object | None = None) -> tuple[TrainSpec, object, object]:
@@ -58,6 +61,7 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
 
     Raises one of torchtitan.errors.USER_ERRORS with one clear line. No process group is needed.
     """
+    check_job_values(cfg)
     spec, tokenizer, model_args = resolve_model(cfg, tokenizer)
     pd = parallel_dims_from_config(cfg.parallelism, world_size)
     pd.check_model(model_args.divisible_by())
@@ -66,6 +70,8 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
     accum = pd.check_batch(seq_len=t.seq_len, global_batch_size=global_bs, local_batch_size=t.local_batch_size)
     device_type = parallel_dims_device_type()
     _check_device_features(cfg, device_type)
+    # The device the ranks will train on decides "auto" precision.
+    precision = resolve_precision(t.dtype, t.mixed_precision_param, torch.device(device_type))
     check_compile_config(cfg, device_type)
     check_ac_config(cfg.activation_checkpoint, model_compiled=compiles(cfg, "model"))
     check_muon_config(cfg.optimizer)
@@ -73,7 +79,7 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
     with torch.device("meta"):
         model = spec.model_cls(model_args)
     # Cast on meta: init_weights then rebuilds derived fp32 buffers (e.g. the RoPE table) at full precision.
-    model.to(DTYPES[t.dtype])
+    model.to(precision.param)
     converters = build_model_converters(cfg, pd, torch.device(device_type))
     converters.convert(model)
     _check_model_inputs(cfg, model)
@@ -83,7 +89,7 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
         if spec.pipelining_fn is None:
             raise LayoutError(f"model {cfg.model.name} does not support pipeline parallel")
         pipeline_plan = plan_model_pipeline(model, pd, cfg)
-    return JobPlan(spec, tokenizer, model_args, pd, global_bs, accum, model, converters, pipeline_plan)
+    return JobPlan(spec, tokenizer, model_args, pd, global_bs, accum, model, converters, pipeline_plan, precision)
 
 
 def _check_device_features(cfg: JobConfig, device_type: str) -> None:

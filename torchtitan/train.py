@@ -11,29 +11,36 @@ import torch.distributed as dist
 from torchtitan.config import ConfigError
 from torchtitan.protocols.train_spec import config_manager
 from torchtitan.errors import USER_ERRORS
-from torchtitan.tools.restart import record_failure
+from torchtitan.tools.restart import LAUNCHED_ENV, record_failure
 from torchtitan.trainer import Trainer
 
 PREEMPTED_EXIT = 143  # 128 + SIGTERM: the run stopped early (checkpoint saved); rerunning it resumes
+
+
+def _say(error: Exception) -> None:
+    # Under ./run_train.sh the launcher (torchtitan/launch.py) prints the line once, after torchrun stopped
+    # every rank; a rank started otherwise says it itself.
+    if not os.environ.get(LAUNCHED_ENV):
+        print(f"error: {error}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_manager().parse_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        record_failure(str(e), restartable=False)
+        record_failure(str(e), restartable=False, user_error=True)
+        _say(e)
         return 2
     trainer = None
     try:
         trainer = Trainer(cfg)
         trainer.train()
     except USER_ERRORS as e:
-        record_failure(str(e))
+        record_failure(str(e), user_error=True)
         if os.environ.get("TORCHTITAN_TRACEBACK"):
             raise
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr)
+            _say(e)
         return 1
     except BaseException as e:  # a bug or a broken peer: the traceback follows; the supervisor gets the gist
         record_failure(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")

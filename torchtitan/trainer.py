@@ -41,7 +41,7 @@ from torchtitan.tools.device_peak import peak_flops
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.memory import MemoryMonitor
 from torchtitan.tools.params import count_params
-from torchtitan.tools.precision import DTYPES
+from torchtitan.tools.precision import emulation_warning
 from torchtitan.tools.preemption import PreemptionWatch
 from torchtitan.tools.profiling import Profiler
 
@@ -69,6 +69,10 @@ class Trainer:
             plan.parallel_dims, plan.global_batch_size, plan.grad_accum
         )
         pd = self.parallel_dims
+        precision = plan.precision
+        logger.info(f"Precision: {precision.reason}")
+        if precision.emulated and self.rank == 0:
+            logger.warning(emulation_warning(precision, self.device))
         self.mesh = pd.build_mesh(self.device.type) if self.world_size > 1 else None
         self.dp_rank, self.dp_degree = pd.coordinate("dp") if self.mesh else (0, 1)
         self.dp_rank, self.dp_degree, self.global_batch_size = fault_tolerance.data_coordinate(
@@ -99,7 +103,7 @@ class Trainer:
             self.model_parts = [self.spec.parallelize_fn(model, pd, cfg)]
         self._init_weights(seed)
         # Autocast gives mixed precision where FSDP's policy does not apply (no data-parallel sharding).
-        param_dtype, mp = DTYPES[cfg.training.dtype], DTYPES[cfg.training.mixed_precision_param]
+        param_dtype, mp = precision.param, precision.mixed
         self.autocast = (
             torch.autocast(self.device.type, dtype=mp)
             if not pd.fsdp_enabled and mp != param_dtype and param_dtype == torch.float32
@@ -120,6 +124,7 @@ class Trainer:
             dataloader=self.dataloader,
             train_state=self.train_state,
             hf_adapter=self.spec.state_dict_adapter,
+            model_args=self.model_args,
         )
         self.replicas = (
             fault_tolerance.Replicas(cfg.fault_tolerance, self.checkpointer.states, self.rank, self.world_size, self.device)
@@ -129,9 +134,8 @@ class Trainer:
         # ---- observability --------------------------------------------------------------------------------
         self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.metrics, self.rank, dataclasses.asdict(cfg))
         self.memory = MemoryMonitor(self.device)
-        compute_dtype = param_dtype if param_dtype != torch.float32 else mp
         # The peak of the dtype the matmuls really run in: fp8 for float8, fp32 when float8 is emulated.
-        compute_dtype = self.converters.matmul_dtype(compute_dtype)
+        compute_dtype = self.converters.matmul_dtype(precision.matmul)
         self.peak_flops = peak_flops(self.device, compute_dtype)
         dist_utils.set_pg_timeout(cfg.comm.train_timeout_seconds)
 

@@ -38,7 +38,7 @@ def hf_folder(export, tmp_path_factory):
 def load(checkpoint, *overrides):
     cfg = job_config_of(checkpoint, list(overrides))
     model, spec, _, args = build_cpu_model(cfg)
-    load_model_weights(model, checkpoint, spec.state_dict_adapter)
+    load_model_weights(model, checkpoint, spec.state_dict_adapter, args)
     return model, spec, args
 
 
@@ -51,7 +51,7 @@ def test_round_trip_is_exact(export, hf_folder, tmp_path):
     for key, value in expected.items():
         assert torch.equal(hf[key], value), key
     back = str(tmp_path / "dcp")
-    assert convert_from_hf.main([hf_folder, back]) == 0
+    assert convert_from_hf.main([hf_folder, back, "--job.config_file", os.path.join(export, "config.toml")]) == 0
     again, _, _ = load(back, "--job.config_file", os.path.join(export, "config.toml"))
     for key, value in ours.state_dict().items():
         assert torch.equal(again.state_dict()[key], value), key
@@ -83,7 +83,8 @@ def test_hf_folder_of_another_shape_is_refused(hf_folder, tmp_path, capsys):
     assert run(tmp_path, "--training.steps", "1", "--model.flavor", "debugmodel",
                "--checkpoint.initial_load_path", hf_folder, "--checkpoint.initial_load_in_hf") == 1
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(err) == 1 and "was written for another model shape" in err[0]
+    # The folder's config.json is compared with the model first: one line naming each differing setting.
+    assert len(err) == 1 and "config.json does not match the model: hidden_size " in err[0], err
     assert inventory(hf_folder) == before
 
 

@@ -62,3 +62,38 @@ def test_measured_peak_is_best_gemm_and_fast():
     flops = device_peak.measure_gemm_flops(torch.device("cpu"), torch.float32, device_peak._CPU_GEMM_SIZES)
     assert time.perf_counter() - start < 4.0  # budget 1.5 s plus one slow size on a busy machine
     assert 1e8 < flops < 1e15
+
+
+_EMULATED_BF16_CHECK = """
+import time, torch, torch.nn as nn
+from torchtitan.tools.device_peak import measure_gemm_flops, _CPU_GEMM_SIZES
+torch.manual_seed(0)
+peak = measure_gemm_flops(torch.device("cpu"), torch.bfloat16, _CPU_GEMM_SIZES)
+dim, hidden, tokens = 256, 768, 512  # the debug model's linear shapes
+model = nn.Sequential(*[nn.Linear(*shape, bias=False) for shape in [(dim, hidden), (hidden, dim)] * 2])
+x = torch.randn(tokens, dim)
+def step():  # what the trainer runs without FSDP: fp32 parameters, autocast to bf16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x).float().sum().backward()
+step()
+start = time.perf_counter(); step(); step()
+achieved = 6 * sum(p.numel() for p in model.parameters()) * tokens / ((time.perf_counter() - start) / 2)
+print(achieved / peak)
+"""
+
+
+def test_peak_on_an_emulated_bf16_cpu_is_not_below_what_the_models_linears_achieve():
+    """On a CPU that emulates bf16, torch.mm and F.linear take kernels 10x apart; a peak timed with torch.mm
+    sat below what the model's linears achieved (MFU 257% on an AVX2 Zen 2). The peak must be measured with the
+    linears' own op. ONEDNN_MAX_CPU_ISA=AVX2 makes this CPU emulate bf16 as an AVX2-only one does (on an AVX2
+    CPU it changes nothing)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2")
+    out = subprocess.run([sys.executable, "-c", _EMULATED_BF16_CHECK], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.returncode == 0, out.stderr
+    mfu = float(out.stdout.split()[-1])
+    assert 0 < mfu <= 1.0, f"the model's linears reached {100 * mfu:.0f}% of the measured peak"

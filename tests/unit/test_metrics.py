@@ -109,5 +109,24 @@ def test_throughput_arithmetic():
     assert m["tps"] == 10_000
     assert m["tflops"] == pytest.approx(60.0)
     assert m["mfu"] == pytest.approx(60.0)
-    # Never clamped: a peak too low must show as MFU above 100%.
-    assert throughput_metrics(1000, 1.0, 1e9, 5e11)["mfu"] == pytest.approx(200.0)
+    assert "mfu_above_100" not in m
+    # Never clamped: a peak too low must show as MFU above 100%, flagged.
+    over = throughput_metrics(1000, 1.0, 1e9, 5e11)
+    assert over["mfu"] == pytest.approx(200.0) and over["mfu_above_100"] == 1.0
+
+
+def test_mfu_above_100_is_flagged_in_jsonl_and_explained_once_on_the_console(tmp_path, caplog):
+    metrics = MetricsLogger(str(tmp_path), Metrics(disable_color_printing=True), rank=0)
+    with caplog.at_level(logging.INFO, logger="torchtitan"):
+        metrics.log(5, {"loss": 2.0, **throughput_metrics(1000, 1.0, 6e9, 2e12)})  # 300% of the peak
+        metrics.log(10, {"loss": 1.9, **throughput_metrics(1000, 1.0, 6e9, 2e12)})
+        metrics.log(15, {"loss": 1.8, **throughput_metrics(1000, 1.0, 6e9, 1e13)})  # 60%: plausible
+    metrics.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "MFU 300% is impossible: the model achieved 6 TFLOP/s but the peak it is divided by is 2 TFLOP/s, so that "
+        "peak is wrong (a measured CPU peak taken with a slower kernel or dtype than the model's linears run, or a "
+        "datasheet entry for another device); MFU values are flagged mfu_above_100 in metrics.jsonl"
+    ]
+    lines = _read_jsonl(tmp_path / "metrics.jsonl")
+    assert [line.get("mfu_above_100") for line in lines] == [1.0, 1.0, None]

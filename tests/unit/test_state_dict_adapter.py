@@ -40,8 +40,9 @@ def random_model(args: TransformerModelArgs = ARGS) -> Transformer:
 def hf_inv_freq(config: dict) -> torch.Tensor:
     """HF's `llama3` rope: inverse frequencies, then masks for the low / medium frequency bands."""
     hd = config["hidden_size"] // config["num_attention_heads"]
-    inv = 1.0 / config["rope_theta"] ** (torch.arange(0, hd, 2).double() / hd)
-    s = config["rope_scaling"]
+    # transformers 5.x: rope_parameters; 4.x: top-level rope_theta and rope_scaling.
+    s = config.get("rope_parameters") or {"rope_theta": config["rope_theta"], **(config.get("rope_scaling") or {})}
+    inv = 1.0 / s["rope_theta"] ** (torch.arange(0, hd, 2).double() / hd)
     wavelen = 2 * math.pi / inv
     old = s["original_max_position_embeddings"]
     low = wavelen > old / s["low_freq_factor"]
@@ -144,24 +145,29 @@ def test_config_round_trip(name):
     assert back == expected
 
 
-def test_8b_config_values():
-    config = to_hf_config(llama3_flavors["8B"])
+@pytest.mark.parametrize("layout", [4, 5])
+def test_8b_config_values(layout):
+    config = to_hf_config(llama3_flavors["8B"], layout=layout)
     assert config["intermediate_size"] == 14336
     assert config["num_key_value_heads"] == 8
-    assert config["rope_theta"] == 500000
     assert config["max_position_embeddings"] == 131072
     assert config["tie_word_embeddings"] is False
-    assert config["torch_dtype"] == "bfloat16"
-    assert config["rope_scaling"] == {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    if layout == 4:
+        assert config["torch_dtype"] == "bfloat16" and config["rope_theta"] == 500000
+        assert config["rope_scaling"] == scaling and "rope_parameters" not in config
+    else:
+        assert config["dtype"] == "bfloat16" and config["rope_parameters"] == {"rope_theta": 500000, **scaling}
+        assert "rope_theta" not in config and "rope_scaling" not in config
+    assert from_hf_config(config) == from_hf_config(to_hf_config(llama3_flavors["8B"], layout=9 - layout))
 
 
 def test_save_load_round_trip(tmp_path):
     sd = random_model().state_dict()
     Llama3StateDictAdapter.save_hf(sd, ARGS, str(tmp_path), dtype=torch.float32)
-    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "float32"
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "float32"
     loaded, args = Llama3StateDictAdapter.load_hf(str(tmp_path))
     assert args == dataclasses.replace(ARGS, ffn_hidden_dim=ARGS.hidden_dim, multiple_of=256, ffn_dim_multiplier=None)
     assert loaded.keys() == sd.keys()

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components import checkpoint_folders as folders
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import save_config
+from torchtitan.protocols.state_dict_adapter import HFConfigMismatch
 from torchtitan.tools.logging import logger
 from torchtitan.tools.precision import DTYPES
 
@@ -180,7 +181,8 @@ class _InFlight:
 
 class CheckpointManager:
     def __init__(
-        self, cfg: JobConfig, *, model_parts, optimizers, lr_schedulers, dataloader, train_state, hf_adapter=None
+        self, cfg: JobConfig, *, model_parts, optimizers, lr_schedulers, dataloader, train_state, hf_adapter=None,
+        model_args=None,
     ):
         self.cfg = cfg
         self.ckpt = cfg.checkpoint
@@ -188,6 +190,7 @@ class CheckpointManager:
         self.model = ModelWrapper(model_parts)
         self.model_parts = model_parts
         self.hf_adapter = hf_adapter
+        self.model_args = model_args  # what an HF folder's config.json must describe (initial_load_in_hf)
         self.states = {
             "model": self.model,
             "optimizer": optimizers,
@@ -327,7 +330,9 @@ class CheckpointManager:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise CheckpointError(f"--checkpoint.initial_load_path {path}: not a Hugging Face folder (no config.json)")
         try:
-            full, _ = self.hf_adapter.load_hf(path)
+            full, _ = self.hf_adapter.load_hf(path, expected=self.model_args)
+        except HFConfigMismatch as e:  # another model: its one line names the settings
+            raise CheckpointError(str(e)) from e
         except Exception as e:  # safetensors / json errors of many kinds
             raise CheckpointError(
                 f"cannot read Hugging Face checkpoint {path}: {type(e).__name__}: {_first_line(e)}"

@@ -112,7 +112,8 @@ class LRSchedulersContainer:
             )
 
 
-def _validate(cfg: LRSchedulerConfig, total_steps: int) -> None:
+def check_schedule(cfg: LRSchedulerConfig, total_steps: int) -> None:
+    """Raises ValueError with one line for a schedule that cannot run (also the pre-flight check's rule)."""
     if total_steps < 1:
         raise ValueError(f"total_steps must be at least 1, got {total_steps}")
     if cfg.warmup_steps < 0:
@@ -128,7 +129,7 @@ def _validate(cfg: LRSchedulerConfig, total_steps: int) -> None:
 def build_lr_schedulers(
     optimizers: OptimizersContainer, cfg: LRSchedulerConfig, total_steps: int
 ) -> LRSchedulersContainer:
-    _validate(cfg, total_steps)
+    check_schedule(cfg, total_steps)
     if cfg.warmup_steps > total_steps:
         logger.warning(
             f"lr_scheduler.warmup_steps ({cfg.warmup_steps}) exceeds training.steps ({total_steps}): "

@@ -19,11 +19,26 @@ def throughput_metrics(tokens: int, seconds: float, flops_per_token: float, peak
 
     `tokens` are those this device processed in the window, `flops_per_token` the model's training FLOPs per
     token (forward + backward), `peak_flops` the device's peak FLOP/s. MFU is in % and deliberately not clamped:
-    above 100% means the peak is wrong or the FLOP count too high, and hiding that would hide the bug.
+    above 100% means the peak is wrong or the FLOP count too high, and hiding that would hide the bug; such a
+    window also gets `mfu_above_100 = 1`, so a reader of metrics.jsonl can tell without knowing the rule.
     """
     tps = tokens / seconds
     achieved_flops = tps * flops_per_token
-    return {"tps": tps, "tflops": achieved_flops / 1e12, "mfu": 100.0 * achieved_flops / peak_flops}
+    metrics = {"tps": tps, "tflops": achieved_flops / 1e12, "mfu": 100.0 * achieved_flops / peak_flops}
+    if metrics["mfu"] > 100.0:
+        metrics["mfu_above_100"] = 1.0
+    return metrics
+
+
+def mfu_above_100_warning(metrics: dict[str, float]) -> str:
+    """Why an MFU above 100% cannot be true, with the figures of the window that showed it."""
+    peak = metrics["tflops"] * 100.0 / metrics["mfu"]
+    return (
+        f"MFU {metrics['mfu']:.0f}% is impossible: the model achieved {metrics['tflops']:.3g} TFLOP/s but the peak "
+        f"it is divided by is {peak:.3g} TFLOP/s, so that peak is wrong (a measured CPU peak taken with a slower "
+        f"kernel or dtype than the model's linears run, or a datasheet entry for another device); MFU values are "
+        f"flagged mfu_above_100 in metrics.jsonl"
+    )
 
 
 _COLORS = {
@@ -100,6 +115,7 @@ class MetricsLogger:
         self._jsonl = None
         self._tb_writer = None
         self._wandb_run = None
+        self._warned_mfu = False
         if not self.enabled:
             return
         os.makedirs(dump_folder, exist_ok=True)
@@ -129,6 +145,9 @@ class MetricsLogger:
         self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
         self._jsonl.flush()
         logger.info(format_console_line(step, values, self.color))
+        if values.get("mfu_above_100") and not self._warned_mfu:
+            logger.warning(mfu_above_100_warning(values))
+            self._warned_mfu = True
         if self._tb_writer is not None:
             for key, value in values.items():
                 self._tb_writer.add_scalar(key, value, step)

@@ -44,9 +44,10 @@ def build_cpu_model(cfg: JobConfig) -> tuple[nn.Module, object, object, object]:
     return model, spec, tokenizer, args
 
 
-def load_model_weights(model: nn.Module, checkpoint: str, hf_adapter=None) -> None:
+def load_model_weights(model: nn.Module, checkpoint: str, hf_adapter=None, model_args=None) -> None:
     """Loads the model weights of a DCP checkpoint (full, export or seed) or of a Hugging Face folder (one with
-    config.json) into `model`, casting to its dtype; one clear line when the checkpoint does not fit."""
+    config.json) into `model`, casting to its dtype; one clear line when the checkpoint does not fit. A Hugging
+    Face folder's config is compared with `model_args` (every setting the model computes with)."""
     expected = model.state_dict()
     shapes = {k: v.shape for k, v in expected.items()}
     if not os.path.isdir(checkpoint):
@@ -54,7 +55,10 @@ def load_model_weights(model: nn.Module, checkpoint: str, hf_adapter=None) -> No
     if os.path.isfile(os.path.join(checkpoint, "config.json")):
         if hf_adapter is None:
             raise CheckpointError(f"{checkpoint} is a Hugging Face folder but the model has no adapter")
-        full, _ = hf_adapter.load_hf(checkpoint)
+        try:
+            full, _ = hf_adapter.load_hf(checkpoint, expected=model_args)
+        except ValueError as e:  # the folder's config differs from the model (or cannot be read): one line
+            raise CheckpointError(str(e)) from e
         check_shapes(f"Hugging Face checkpoint {checkpoint}", {k: v.shape for k, v in full.items()}, shapes, exact=True)
         model.load_state_dict({k: full[k].to(v.dtype) for k, v in expected.items()}, strict=True)
         return

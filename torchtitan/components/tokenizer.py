@@ -163,7 +163,10 @@ class SentencePieceTokenizer(Tokenizer):
         import sentencepiece
 
         self.path = Path(path)
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=str(self.path))
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=str(self.path))
+        except RuntimeError as e:  # sentencepiece reports an unreadable model as RuntimeError("INTERNAL: ...")
+            raise ValueError(f"{self.path} is not a SentencePiece tokenizer model ({e})") from None
         self.vocab_size = self._sp.vocab_size()
         self.bos_id = self._sp.bos_id()
         self.eos_id = self._sp.eos_id()
@@ -190,7 +193,10 @@ class HuggingFaceTokenizer(Tokenizer):
                 f"{self.path} is a Hugging Face tokenizer.json, which needs the `tokenizers` "
                 "package: pip install tokenizers (or pip install torchtitan[hf])"
             ) from e
-        self._tok = HfTokenizer.from_file(str(self.path))
+        try:
+            self._tok = HfTokenizer.from_file(str(self.path))
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise ValueError(f"{self.path} is not a Hugging Face tokenizer.json ({e})") from None
         # Special-token spellings in a document are ordinary text, never control ids.
         self._tok.encode_special_tokens = True
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)

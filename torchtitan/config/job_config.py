@@ -87,11 +87,14 @@ class Training:
     """Number of optimizer steps to train."""
 
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype the parameters are stored and updated in. bfloat16 = fully low-precision training."""
+    """Dtype the parameters are stored and updated in. bfloat16 = fully low-precision training (warned about
+    on a device that emulates bfloat16)."""
 
-    mixed_precision_param: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    """Compute dtype of parameters in forward/backward (FSDP mixed precision, autocast without FSDP).
-    float32 gives a pure fp32 run."""
+    mixed_precision_param: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Compute dtype of parameters in forward/backward (FSDP mixed precision, autocast without FSDP). auto =
+    bfloat16 where the device multiplies it natively (CPUs with AVX-512-BF16/AMX or Arm BF16, CUDA compute
+    capability >= 8.0), else float32; the log says which and why. float32 gives a pure fp32 run; an explicit
+    16-bit dtype the device only emulates runs with a warning."""
 
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype of gradient reduction across data-parallel ranks under FSDP."""

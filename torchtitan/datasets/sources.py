@@ -154,7 +154,24 @@ def local_data_files(dataset_path: str) -> tuple[str, list[str]]:
         raise ValueError(
             f"local dataset path {dataset_path} must hold {expected} of one format, found: {files[:5]}"
         )
+    empty = [f for f in files if Path(f).stat().st_size == 0]
+    if empty:
+        raise ValueError(f"local dataset file {empty[0]} is empty: remove it or point dataset_path elsewhere")
     return formats.pop(), files  # type: ignore[return-value]
+
+
+def _first_bad_json_line(files: list[str]) -> str | None:
+    """`file:line: ...` of the first line of JSON-lines files that does not parse, if any."""
+    for file in files:
+        opener = gzip.open if file.endswith(".gz") else open
+        with opener(file, "rt", encoding="utf-8", errors="replace") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        json.loads(line)
+                    except ValueError as e:
+                        return f"{file}:{lineno}: not valid JSON ({e}): {line.strip()[:60]!r}"
+    return None
 
 
 class LocalFilesSource(DocumentSource):
@@ -169,7 +186,11 @@ class LocalFilesSource(DocumentSource):
         # txt: one document per blank-line-separated paragraph, so that a single large file
         # still yields many documents (per-line documents would be too short to be useful).
         extra: dict[str, Any] = {"sample_by": "paragraph"} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files=files, split="train", **extra)
+        try:
+            ds = datasets.load_dataset(builder, data_files=files, split="train", **extra)
+        except Exception as e:  # datasets wraps any file's parse error in DatasetGenerationError
+            where = (_first_bad_json_line(files) if builder == "json" else None) or f"{e.__cause__ or e}"
+            raise ValueError(f"local dataset {dataset_path} cannot be read: {where}") from None
         if TEXT_FIELD not in ds.column_names:
             raise ValueError(
                 f"local dataset {dataset_path} has no {TEXT_FIELD!r} column; columns: {ds.column_names}"

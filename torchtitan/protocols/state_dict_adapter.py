@@ -2,7 +2,8 @@
 
 A subclass implements the four conversions; folder I/O (safetensors, single or sharded, `config.json`) is
 shared. `check_hf_config` compares what a folder's config says with the args the job will train, so a
-folder of another shape is refused in one line instead of loading into a silently different model.
+folder of another model (another shape, rope theta, norm eps, ...) is refused in one line instead of loading
+into a silently different model.
 """
 
 import json
@@ -48,12 +49,50 @@ class StateDictAdapter(ABC):
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(cls.to_hf_config(args, dtype), f, indent=2)
 
+    # config.json keys that do not change what the model computes. max_position_embeddings only bounds the
+    # positions a model may be given (the RoPE table length), so a longer or shorter one is the same model.
+    HF_CONFIG_NOT_COMPARED = frozenset({"architectures", "model_type", "dtype", "torch_dtype", "max_position_embeddings"})
+
     @classmethod
-    def load_hf(cls, folder: str) -> tuple[dict[str, torch.Tensor], Any]:
-        """(state dict with our FQNs, args) of an HF folder; tensors keep their stored dtype."""
+    def load_hf(cls, folder: str, expected: Any = None) -> tuple[dict[str, torch.Tensor], Any]:
+        """(state dict with our FQNs, args) of an HF folder; tensors keep their stored dtype. With `expected`
+        (the args the job will train), the folder's config is checked against them first (check_hf_config)."""
         config = read_hf_config(folder)
         args = cls.from_hf_config(config)
+        if expected is not None:
+            cls.check_hf_config(folder, args, expected)
         return cls(args).from_hf(read_hf_tensors(folder, config)), args
+
+    @classmethod
+    def check_hf_config(cls, folder: str, args: Any, expected: Any) -> None:
+        """Raises HFConfigMismatch, one line naming every differing setting with both values, when the args a
+        folder's config gives are not the job's. Both sides are compared as the config.json this adapter would
+        write for them, so each setting has its HF name, and one the model does not compute with
+        (HF_CONFIG_NOT_COMPARED) is left out. Same-shaped weights with another rope theta or norm eps would
+        otherwise load into a silently different model."""
+        theirs, ours = _leaves(cls.to_hf_config(args)), _leaves(cls.to_hf_config(expected))
+        diffs = [
+            f"{key} {theirs.get(key)} in the folder vs {ours.get(key)} in the model"
+            for key in [*ours, *(k for k in theirs if k not in ours)]
+            if key not in cls.HF_CONFIG_NOT_COMPARED and theirs.get(key) != ours.get(key)
+        ]
+        if diffs:
+            raise HFConfigMismatch(
+                f"Hugging Face config {os.path.join(folder, 'config.json')} does not match the model: "
+                f"{'; '.join(diffs)}; pick the --model.flavor (and tokenizer) the folder was made for"
+            )
+
+
+class HFConfigMismatch(ValueError):
+    """An HF folder's config.json describes another model than the one the job trains."""
+
+
+def _leaves(config: dict) -> dict:
+    """Nested settings by their own name (transformers 5.x nests rope_theta inside rope_parameters)."""
+    flat = {}
+    for key, value in config.items():
+        flat.update(_leaves(value) if isinstance(value, dict) else {key: value})
+    return flat
 
 
 def read_hf_config(folder: str) -> dict:

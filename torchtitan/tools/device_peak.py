@@ -1,21 +1,22 @@
 """Peak FLOP/s of a device, the denominator of MFU.
 
 GPUs: vendor datasheet peaks for dense matrix math (no 2:4 sparsity), by device name, with the 16-bit and fp8
-peaks kept apart. CPUs and GPUs not in the table: measured as the best of a few large square GEMMs, cached on
-disk so it runs once per machine. A measured peak is what this machine really achieves, so a well-tuned run can
-report MFU above 100%; callers must show that as is rather than clamp it.
+peaks kept apart. CPUs and GPUs not in the table: measured as the best of a few large square linears (the op
+the model's layers run) in the dtype the model multiplies in, cached on disk. MFU is never clamped: a value
+above 100% means this peak is wrong, and the metrics logger says so.
 """
 
 import json
 import os
-import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from torchtitan.tools.logging import logger
+from torchtitan.tools.precision import cpu_model_name
 
 _TFLOPS = 1e12
 
@@ -82,24 +83,18 @@ def gpu_peak_from_name(name: str, dtype: torch.dtype) -> float | None:
     return None
 
 
-def _cpu_model_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _synchronize(device: torch.device) -> None:
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
 
 
 def measure_gemm_flops(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...]) -> float:
-    """Best FLOP/s over square GEMMs of `sizes`, warmed up, best of a few repetitions.
+    """Best FLOP/s over square linears of `sizes` (x @ w.T, the op and weight layout of the model's linear
+    layers), warmed up, best of a few repetitions.
+
+    The op matters: where a 16-bit dtype is emulated (bf16 on an AVX2 CPU) `torch.mm` and `F.linear` take
+    different kernels, 10x apart, so a peak measured with `torch.mm` sat below what the linears achieved and
+    MFU read 257%.
 
     Sizes are tried smallest first and a larger one only if its predicted time (8x the previous size's) fits the
     budget: some CPUs run a 16-bit dtype in slow emulation, where a single 2048 GEMM takes a minute.
@@ -110,14 +105,14 @@ def measure_gemm_flops(device: torch.device, dtype: torch.dtype, sizes: tuple[in
     for n in sizes:
         if last_rep_s and time.perf_counter() + last_rep_s * 8 * (_REPS + 1) > deadline:
             break
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
-        torch.mm(a, b)  # warm-up: kernel selection, page faults, thread pool start
+        x = torch.randn(n, n, device=device).to(dtype)
+        w = torch.randn(n, n, device=device).to(dtype)
+        F.linear(x, w)  # warm-up: kernel selection, page faults, thread pool start
         _synchronize(device)
         rep_times = []
         for _ in range(_REPS):
             start = time.perf_counter()
-            torch.mm(a, b)
+            F.linear(x, w)
             _synchronize(device)
             rep_times.append(time.perf_counter() - start)
         last_rep_s = min(rep_times)
@@ -179,7 +174,11 @@ def peak_flops(device: torch.device, dtype: torch.dtype, *, num_threads: int | N
     # CPUs have no float8 matmul; the trainer asks for the dtype emulated float8 really multiplies in, so a
     # float8 request here only stands for "the fastest 16-bit GEMM".
     measure_dtype = torch.bfloat16 if _is_float8(dtype) else dtype
-    key = f"{_cpu_model_name()}|{measure_dtype}|threads={threads}"
+    # The op is part of the key (peaks cached by older versions timed torch.mm), and so is a oneDNN ISA cap,
+    # which changes the kernels the same CPU runs.
+    key = f"{cpu_model_name()}|{measure_dtype}|threads={threads}|op=linear"
+    if os.environ.get("ONEDNN_MAX_CPU_ISA"):
+        key += f"|isa={os.environ['ONEDNN_MAX_CPU_ISA'].upper()}"
 
     def measure() -> float:
         previous = torch.get_num_threads()

@@ -1,16 +1,18 @@
 """Automatic restart: rerun a failed training command until it finishes, within a restart budget.
 
-    python -m torchtitan.tools.restart --max-restarts 3 [--same-failure-limit 3] -- torchrun ... -m torchtitan.train ...
+    python -m torchtitan.tools.restart --max-restarts 3 [--same-failure-limit 3] -- \
+        python -m torchtitan.launch --max-restarts 0 ... -m torchtitan.train ...
 
-Each attempt is one run of the command (torchrun with its own --max-restarts 0). A restarted run resumes from
+Each attempt is one run of the command (the launcher, i.e. torchrun, with its own --max-restarts 0). A restarted run resumes from
 the last complete checkpoint by itself (the trainer loads the newest complete `step-N` of its run folder), so
 no user action is needed. Between attempts the ranks' failures are compared: a job that fails the same way
 `same_failure_limit` times in a row stops with one line, since restarting cannot help it (a full disk, a
 deterministic crash); a job that fails differently (a killed rank, a lost node) is restarted until the budget
 is spent. A configuration error is never restarted.
 
-How a rank reports its failure: the supervisor sets TORCHTITAN_FAILURE_DIR per attempt and TORCHTITAN_ATTEMPT;
-`record_failure` (called by the entry point) writes one line per failing rank there. A rank that dies without
+How a rank reports its failure: the supervisor sets TORCHTITAN_FAILURE_DIR per attempt and TORCHTITAN_ATTEMPT
+(the launcher sets its own folder when it runs alone); `record_failure` (called by the entry point) writes one
+line per failing rank there. A rank that dies without
 a word (SIGKILL, a crash in C++) writes nothing, and its peers report the broken connection.
 
 SIGTERM or SIGINT to the supervisor (the scheduler stopping the job) is passed to the command and ends the
@@ -31,18 +33,24 @@ from dataclasses import dataclass
 
 FAILURE_DIR_ENV = "TORCHTITAN_FAILURE_DIR"
 ATTEMPT_ENV = "TORCHTITAN_ATTEMPT"
+LAUNCHED_ENV = "TORCHTITAN_LAUNCHED"  # set by torchtitan/launch.py: it prints a rank's user error, the rank does not
 SILENT_DEATH = "a rank died without reporting an error (killed by a signal or crashed) and none of its peers reported one"
 
 
-def record_failure(message: str, *, restartable: bool = True) -> None:
-    """Called by a failing rank: its one-line reason, for the supervisor to compare between attempts."""
+def record_failure(message: str, *, restartable: bool = True, user_error: bool = False) -> None:
+    """Called by a failing rank: its one-line reason, for the launcher (which prints a user error's line once,
+    torchtitan/launch.py) and the supervisor (which compares failures between attempts)."""
     folder = os.environ.get(FAILURE_DIR_ENV)
     if not folder:
         return
     rank = os.environ.get("RANK", "0")
+    record = {"rank": int(rank), "error": message, "restartable": restartable, "user_error": user_error,
+              "time": time.time()}
+    path = os.path.join(folder, f"rank-{rank}.json")
     try:
-        with open(os.path.join(folder, f"rank-{rank}.json"), "w") as f:
-            json.dump({"rank": int(rank), "error": message, "restartable": restartable, "time": time.time()}, f)
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(path + ".tmp", path)  # whole or absent: the readers may look while ranks are being killed
     except OSError:
         pass  # reporting must never hide the failure itself
 
@@ -51,6 +59,7 @@ def record_failure(message: str, *, restartable: bool = True) -> None:
 class Failure:
     signature: str  # what the attempt died of: equal signatures mean "the same failure"
     restartable: bool
+    user_error: bool = False  # a bad input or a stop the user can fix (torchtitan/errors.py), said in one line
 
 
 def read_failure(folder: str) -> Failure:
@@ -58,6 +67,8 @@ def read_failure(folder: str) -> Failure:
     report broken connections), or a silent death."""
     reports = []
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if not name.endswith(".json"):
+            continue
         try:
             with open(os.path.join(folder, name)) as f:
                 reports.append(json.load(f))
@@ -66,7 +77,7 @@ def read_failure(folder: str) -> Failure:
     if not reports:
         return Failure(SILENT_DEATH, True)
     first = min(reports, key=lambda r: (r["time"], r["rank"]))
-    return Failure(first["error"], all(r["restartable"] for r in reports))
+    return Failure(first["error"], all(r["restartable"] for r in reports), bool(first.get("user_error")))
 
 
 def run_with_restarts(cmd: list[str], max_restarts: int, same_failure_limit: int = 3, log=None) -> int:

@@ -6,6 +6,7 @@ same frequency for pair j in both, moving row 2j to j and row 2j+1 to j + head_d
 compute exactly ours (q.k is unchanged when q and k rows are permuted alike).
 """
 
+import importlib.metadata
 import re
 
 import torch
@@ -95,18 +96,36 @@ class Llama3StateDictAdapter(StateDictAdapter):
         return ours
 
 
-def to_hf_config(args: TransformerModelArgs, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Contents of an HF `config.json` for these args (weights stored in `dtype`)."""
-    rope_scaling = None
+def _transformers_major() -> int | None:
+    try:
+        return int(importlib.metadata.version("transformers").split(".")[0])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return None
+
+
+def to_hf_config(args: TransformerModelArgs, dtype: torch.dtype = torch.bfloat16, layout: int | None = None) -> dict:
+    """Contents of an HF `config.json` for these args (weights stored in `dtype`).
+
+    `layout` 5 writes RoPE the way transformers 5.x does (`rope_parameters` holding rope_theta, rope_type and
+    the scaling) and `dtype`; 4 writes transformers 4.x's top-level `rope_theta` / `rope_scaling` and
+    `torch_dtype`, which 5.x also reads. None = the installed transformers' layout (4 when none is installed)."""
+    layout = layout or (5 if (_transformers_major() or 4) >= 5 else 4)
+    scaling = {"rope_type": "default"}
     if args.rope_scaling is not None:
         s = args.rope_scaling
-        rope_scaling = {
+        scaling = {
             "rope_type": "llama3",
             "factor": s.factor,
             "low_freq_factor": s.low_freq_factor,
             "high_freq_factor": s.high_freq_factor,
             "original_max_position_embeddings": s.original_max_position_embeddings,
         }
+    if layout >= 5:
+        rope = {"rope_parameters": {"rope_theta": args.rope_theta, **scaling}}
+        dtype_key = "dtype"
+    else:
+        rope = {"rope_theta": args.rope_theta, "rope_scaling": scaling if args.rope_scaling is not None else None}
+        dtype_key = "torch_dtype"
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -119,47 +138,58 @@ def to_hf_config(args: TransformerModelArgs, dtype: torch.dtype = torch.bfloat16
         "hidden_act": "silu",
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": rope_scaling,
+        **rope,
         "max_position_embeddings": args.max_seq_len,
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
+        dtype_key: str(dtype).removeprefix("torch."),
     }
 
 
+def _rope_from_hf(config: dict) -> tuple[float, RopeScalingArgs | None]:
+    """(rope_theta, scaling) from either layout: 5.x `rope_parameters`, or 4.x top-level `rope_theta` and
+    `rope_scaling` (whose older spelling of rope_type is `type`)."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    else:
+        params = config.get("rope_scaling") or {}
+        theta = config.get("rope_theta", 10000.0)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ValueError(f"RoPE type {rope_type!r} is not supported for Llama 3 (default or llama3)")
+    return float(theta), RopeScalingArgs(
+        factor=params["factor"],
+        low_freq_factor=params["low_freq_factor"],
+        high_freq_factor=params["high_freq_factor"],
+        original_max_position_embeddings=params["original_max_position_embeddings"],
+    )
+
+
 def from_hf_config(config: dict) -> TransformerModelArgs:
-    """Args reproducing an HF Llama config. The FFN size is taken verbatim (`ffn_hidden_dim`) since the
-    recipe that produced it (multiple_of, ffn_dim_multiplier) is not recorded."""
+    """Args reproducing an HF Llama config (transformers 4.x or 5.x layout). The FFN size is taken verbatim
+    (`ffn_hidden_dim`) since the recipe that produced it (multiple_of, ffn_dim_multiplier) is not recorded."""
     n_heads = config["num_attention_heads"]
     head_dim = config["hidden_size"] // n_heads
-    if config.get("head_dim", head_dim) != head_dim:
-        raise NotImplementedError(f"head_dim {config['head_dim']} != hidden_size / num_attention_heads")
-    if config.get("hidden_act", "silu") != "silu":
-        raise NotImplementedError(f"hidden_act {config['hidden_act']!r}")
-    rope_scaling = None
-    if config.get("rope_scaling"):
-        s = config["rope_scaling"]
-        rope_type = s.get("rope_type", s.get("type"))
-        if rope_type != "llama3":
-            raise NotImplementedError(f"rope_scaling type {rope_type!r}")
-        rope_scaling = RopeScalingArgs(
-            factor=s["factor"],
-            low_freq_factor=s["low_freq_factor"],
-            high_freq_factor=s["high_freq_factor"],
-            original_max_position_embeddings=s["original_max_position_embeddings"],
+    if (config.get("head_dim") or head_dim) != head_dim:
+        raise ValueError(
+            f"head_dim {config['head_dim']} != hidden_size / num_attention_heads ({head_dim}): not supported"
         )
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (Llama uses silu)")
+    rope_theta, rope_scaling = _rope_from_hf(config)
     return TransformerModelArgs(
         dim=config["hidden_size"],
         n_layers=config["num_hidden_layers"],
         n_heads=n_heads,
-        n_kv_heads=config.get("num_key_value_heads", n_heads),
+        n_kv_heads=config.get("num_key_value_heads") or n_heads,
         vocab_size=config["vocab_size"],
         ffn_hidden_dim=config["intermediate_size"],
         norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=float(config.get("rope_theta", 10000.0)),
+        rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_seq_len=config["max_position_embeddings"],
     )
-

@@ -1,0 +1,86 @@
+"""Malformed input through ./run_train.sh, as a user meets it: one line starting with `error:`, exit code 1, no
+traceback (neither a rank's nor torchrun's ChildFailedError report), with 1 and 2 processes.
+
+Inputs the pre-flight check judges stop before torchrun starts (seconds); the full list of those is
+tests/unit/test_job_checks.py. The inputs only a rank can judge (a checkpoint step that does not exist, a data
+file that does not parse, a learning rate that diverges) go through torchrun and the launcher
+(torchtitan/launch.py), which prints the rank's line once. A real crash keeps torchrun's report."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.test_run_train import ROOT, run
+
+pytestmark = pytest.mark.e2e
+
+TINY = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
+        "--training.steps", "3", "--validation.enable", "false", "--metrics.log_freq", "1"]
+
+
+@pytest.fixture(scope="module")
+def bad(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad_input")
+    (root / "tokenizer.model").write_text("not a tokenizer\n")
+    (root / "empty.jsonl").write_text("")
+    (root / "broken.jsonl").write_text('{"text": "fine"}\n{"text": broken\n{"text": "fine"}\n')
+    (root / "a_file").write_text("x")
+    return root
+
+
+def assert_one_clean_line(p, message):
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], p.stderr[-2000:]
+    for stream in (p.stdout, p.stderr):
+        assert "Traceback" not in stream and "ChildFailedError" not in stream, stream[-3000:]
+
+
+PREFLIGHT_CASES = [  # (args, processes, message)
+    (["--training.local_batch_size", "0"], 1, "--training.local_batch_size must be at least 1, got 0"),
+    (["--model.tokenizer_path", "{bad}/tokenizer.model"], 2, "{bad}/tokenizer.model is not a SentencePiece"),
+    (["--training.dataset", "local", "--training.dataset_path", "{bad}/empty.jsonl"], 1,
+     "local dataset file {bad}/empty.jsonl is empty"),
+    (["--job.dump_folder", "{bad}/a_file/run"], 2, "{bad}/a_file is a file, not a folder"),
+    (["--training.steps", "-5"], 2, "--training.steps must be at least 1, got -5"),
+]
+
+
+@pytest.mark.parametrize("args, ngpu, message", PREFLIGHT_CASES, ids=[" ".join(c[0])[:40] for c in PREFLIGHT_CASES])
+def test_inputs_judged_before_ranks_start(bad, tmp_path, args, ngpu, message):
+    args = [a.format(bad=bad) for a in args]
+    p = run(["--job.dump_folder", str(tmp_path / "run"), *TINY, *args], ngpu=ngpu, timeout=300)
+    assert_one_clean_line(p, message.format(bad=bad))
+    assert "Starting job" not in p.stdout  # stopped by the pre-flight check, no rank started
+
+
+RANK_CASES = [  # (args, processes, message): only a rank can tell. One case runs with both process counts: the
+    # launcher's path is the same for any count, and each torchrun start costs seconds.
+    (["--checkpoint.enable", "--checkpoint.load_step", "7"], 1, "--checkpoint.load_step 7: "),
+    (["--checkpoint.enable", "--checkpoint.load_step", "7"], 2, "--checkpoint.load_step 7: "),
+    (["--training.dataset", "local", "--training.dataset_path", "{bad}/broken.jsonl"], 2,
+     "{bad}/broken.jsonl:2: not valid JSON"),
+    (["--optimizer.lr", "1e12", "--lr_scheduler.warmup_steps", "0"], 2, "loss or gradients became non-finite at step"),
+]
+
+
+@pytest.mark.parametrize("args, ngpu, message", RANK_CASES, ids=["load_step-1", "load_step-2", "broken_jsonl-2",
+                                                                 "diverging_lr-2"])
+def test_a_ranks_user_error_is_one_line_without_torchruns_report(bad, tmp_path, args, ngpu, message):
+    args = [a.format(bad=bad) for a in args]
+    p = run(["--job.dump_folder", str(tmp_path / "run"), *TINY, *args], ngpu=ngpu, timeout=300)
+    assert "Starting job" in p.stdout  # a rank judged it, not the pre-flight check
+    assert_one_clean_line(p, message.format(bad=bad))
+
+
+def test_a_real_crash_keeps_torchruns_report():
+    p = subprocess.run(
+        [sys.executable, "-m", "torchtitan.launch", "--nproc_per_node=2", "--rdzv_backend", "c10d",
+         "--rdzv_endpoint=localhost:0", "--no-python", sys.executable, "-c", "raise RuntimeError('boom')"],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120,
+    )
+    assert p.returncode != 0
+    assert "ChildFailedError" in p.stderr and "Root Cause" in p.stderr and "exitcode  : 1" in p.stderr
+    assert "RuntimeError: boom" in p.stderr + p.stdout

@@ -1,0 +1,122 @@
+"""Hugging Face folders as transformers itself writes them, in both config layouts, against transformers'
+own LlamaForCausalLM: transformers 5.x writes `rope_parameters`, 4.x wrote top-level `rope_theta` /
+`rope_scaling` (the 4.x folder here is the 5.x one with its config rewritten the way 4.x wrote it, since one
+environment holds one transformers). The same random weights must give the same logits within 1e-5 (of the
+logits' scale: the two implementations sum in different orders in float32)."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from torchtitan.components.checkpoint import CheckpointError
+from torchtitan.components.offline_model import load_model_weights
+from torchtitan.models.llama3.args import RopeScalingArgs, TransformerModelArgs
+from torchtitan.models.llama3.model import Transformer
+from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+from torchtitan.protocols.state_dict_adapter import HFConfigMismatch
+
+transformers = pytest.importorskip("transformers")
+
+SCALING = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 32}
+ARGS = TransformerModelArgs(
+    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_hidden_dim=160, norm_eps=1e-5,
+    rope_theta=500000.0, rope_scaling=RopeScalingArgs(**{k: v for k, v in SCALING.items() if k != "rope_type"}),
+    max_seq_len=64,
+)
+TOKENS = torch.randint(0, ARGS.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))  # past 32
+
+
+def _as_4x(config: dict) -> dict:
+    """A 5.x config.json rewritten the way transformers 4.x wrote it."""
+    config = dict(config)
+    rope = dict(config.pop("rope_parameters"))
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = None if rope["rope_type"] == "default" else rope
+    config["torch_dtype"] = config.pop("dtype", None) or "float32"
+    return config
+
+
+@pytest.fixture(scope="module")
+def hf_model_and_folders(tmp_path_factory):
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=97, rms_norm_eps=1e-5, max_position_embeddings=64, tie_word_embeddings=False,
+        rope_parameters={"rope_theta": 500000.0, **SCALING},
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # far from the default init, so attention is sharp and RoPE errors show
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0, 0.3)
+    v5 = tmp_path_factory.mktemp("hf5")
+    model.save_pretrained(v5)
+    written = json.loads((v5 / "config.json").read_text())
+    assert "rope_parameters" in written and "rope_theta" not in written  # really the 5.x layout
+    v4 = tmp_path_factory.mktemp("hf4")
+    (v4 / "config.json").write_text(json.dumps(_as_4x(written)))
+    os.link(v5 / "model.safetensors", v4 / "model.safetensors")
+    return model, {"4.x": str(v4), "5.x": str(v5)}
+
+
+def _ours(state_dict) -> Transformer:
+    model = Transformer(ARGS)
+    model.init_weights(buffer_device=None)
+    model.load_state_dict(state_dict)
+    return model.eval()
+
+
+@pytest.mark.parametrize("layout", ["4.x", "5.x"])
+def test_both_config_layouts_load_into_the_same_model_as_transformers(hf_model_and_folders, layout):
+    hf_model, folders = hf_model_and_folders
+    state_dict, args = Llama3StateDictAdapter.load_hf(folders[layout], expected=ARGS)
+    assert args.rope_theta == 500000.0 and args.rope_scaling == ARGS.rope_scaling
+    with torch.no_grad():
+        expected = hf_model(TOKENS).logits
+        # transformers reading the same folder agrees with itself in either layout
+        reread = transformers.LlamaForCausalLM.from_pretrained(folders[layout]).eval()
+        torch.testing.assert_close(reread(TOKENS).logits, expected, rtol=0, atol=1e-6)
+        # float32 summation order differs between the two implementations: 1e-5 relative to the logits' scale
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(_ours(state_dict)(TOKENS), expected, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_what_we_write_transformers_reads_as_the_same_model(hf_model_and_folders, tmp_path):
+    hf_model, folders = hf_model_and_folders
+    state_dict, _ = Llama3StateDictAdapter.load_hf(folders["5.x"], expected=ARGS)
+    Llama3StateDictAdapter.save_hf(state_dict, ARGS, str(tmp_path), dtype=torch.float32)
+    back = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert back.config.rope_parameters["rope_theta"] == 500000.0
+    with torch.no_grad():
+        torch.testing.assert_close(back(TOKENS).logits, hf_model(TOKENS).logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["4.x", "5.x"])
+def test_a_mismatched_rope_theta_is_refused_in_one_line(hf_model_and_folders, layout):
+    _, folders = hf_model_and_folders
+    flavor = TransformerModelArgs(**{**ARGS.__dict__, "rope_theta": 10000.0})
+    with pytest.raises(HFConfigMismatch) as e:
+        Llama3StateDictAdapter.load_hf(folders[layout], expected=flavor)
+    assert str(e.value) == (
+        f"Hugging Face config {folders[layout]}/config.json does not match the model: rope_theta 500000.0 in the "
+        f"folder vs 10000.0 in the model; pick the --model.flavor (and tokenizer) the folder was made for"
+    )
+    # Generation and conversion report it as a checkpoint error, same line.
+    with pytest.raises(CheckpointError, match="rope_theta 500000.0 in the folder vs 10000.0 in the model"):
+        load_model_weights(Transformer(flavor), folders[layout], Llama3StateDictAdapter, flavor)
+
+
+def test_every_setting_is_compared(hf_model_and_folders):
+    _, folders = hf_model_and_folders
+    other = TransformerModelArgs(**{**ARGS.__dict__, "norm_eps": 1e-6, "rope_scaling": None, "n_kv_heads": 4})
+    with pytest.raises(HFConfigMismatch) as e:
+        Llama3StateDictAdapter.load_hf(folders["5.x"], expected=other)
+    message = str(e.value)
+    assert "\n" not in message
+    assert "num_key_value_heads 2 in the folder vs 4 in the model" in message
+    assert "rms_norm_eps 1e-05 in the folder vs 1e-06 in the model" in message
+    # RoPE scaling settings are named one by one (transformers 5.x nests them in rope_parameters)
+    assert "rope_type llama3 in the folder vs default in the model" in message
+    assert "factor 4.0 in the folder vs None in the model" in message

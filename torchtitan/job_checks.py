@@ -1,0 +1,89 @@
+"""Values of a job that can be judged before any rank starts: number ranges, the run folder, local data files.
+
+Called by `plan_job`, so the launcher's pre-flight check rejects them with one line (naming the option, its
+value and what it must be) before torchrun starts anything; the ranks would otherwise fail later, one by one,
+often with a raw exception (`--training.local_batch_size 0` was a ZeroDivisionError).
+"""
+
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from torchtitan.components.lr_scheduler import check_schedule
+from torchtitan.config import JobConfig
+from torchtitan.datasets.sources import DATASETS, local_data_files, open_documents
+
+
+def _at_least(n: int) -> tuple[Callable[[object], bool], str]:
+    return (lambda v: v >= n), f"at least {n}"
+
+
+def _positive_number() -> tuple[Callable[[object], bool], str]:
+    return (lambda v: math.isfinite(v) and v > 0), "a positive number"
+
+
+def _fraction(upper_open: bool = False) -> tuple[Callable[[object], bool], str]:
+    if upper_open:
+        return (lambda v: 0.0 <= v < 1.0), "in [0, 1)"
+    return (lambda v: 0.0 <= v <= 1.0), "in [0, 1]"
+
+
+def _minus_one_or_at_least(n: int, meaning: str) -> tuple[Callable[[object], bool], str]:
+    return (lambda v: v == -1 or v >= n), f"-1 ({meaning}) or at least {n}"
+
+
+# option -> (rule, what the rule says). Options whose range depends on the world size (parallel degrees, batch
+# divisibility) are judged by ParallelDims in plan_job.
+_RULES = {
+    "training.local_batch_size": _at_least(1),
+    "training.global_batch_size": _minus_one_or_at_least(1, "local_batch_size x data-parallel degree"),
+    "training.seq_len": _at_least(1),
+    "training.steps": _at_least(1),
+    "training.gc_freq": _at_least(1),
+    "validation.freq": _at_least(1),
+    "validation.steps": _minus_one_or_at_least(1, "the whole validation split"),
+    "validation.local_batch_size": _at_least(1),
+    "optimizer.lr": _positive_number(),
+    "optimizer.beta1": _fraction(upper_open=True),
+    "optimizer.beta2": _fraction(upper_open=True),
+    "optimizer.eps": _positive_number(),
+    "optimizer.weight_decay": ((lambda v: math.isfinite(v) and v >= 0), "a number >= 0"),
+    "parallelism.pipeline_parallel_microbatch_size": _at_least(1),
+    "checkpoint.interval": _at_least(1),
+    "checkpoint.keep_latest_k": ((lambda v: v >= 0), "0 (keep all) or more"),
+    "checkpoint.load_step": _minus_one_or_at_least(0, "the latest checkpoint"),
+    "metrics.log_freq": _at_least(1),
+    "profiling.profile_freq": _at_least(1),
+    "activation_checkpoint.memory_budget": _fraction(),
+    "comm.init_timeout_seconds": _at_least(1),
+    "comm.train_timeout_seconds": _at_least(1),
+}
+
+
+def check_job_values(cfg: JobConfig) -> None:
+    """Raises ValueError / FileNotFoundError with one line for the first value of `cfg` that cannot work."""
+    for option, (ok, rule) in _RULES.items():
+        section, key = option.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if not ok(value):
+            raise ValueError(f"--{option} must be {rule}, got {value}")
+    check_schedule(cfg.lr_scheduler, cfg.training.steps)
+    _check_creatable_folder(cfg.job.dump_folder)
+    t = cfg.training
+    if t.dataset not in DATASETS or (t.dataset == "local" and not t.dataset_path):
+        open_documents(t.dataset, t.dataset_path, "train")  # raises its line: unknown name, no dataset_path
+    if t.dataset == "local":
+        local_data_files(t.dataset_path)  # exists, one format, no empty file; parsing them is the ranks' job
+
+
+def _check_creatable_folder(folder: str) -> None:
+    """The run folder exists as a folder, or can be created: its nearest existing ancestor is a writable folder."""
+    path = Path(folder).expanduser().absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"--job.dump_folder {folder} cannot be created: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--job.dump_folder {folder} cannot be written: no write permission on {existing}")
