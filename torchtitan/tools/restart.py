@@ -112,8 +112,9 @@ def run_with_restarts(cmd: list[str], max_restarts: int, same_failure_limit: int
                         f"again: {failure.signature}; fix the cause, then rerun the same command to resume")
                     return code
                 if attempt == max_restarts:
-                    log(f"error: the run failed {attempt + 1} times and its restart budget (--max-restarts "
-                        f"{max_restarts}) is spent; last failure: {failure.signature}")
+                    if attempt > 0:  # with no restart allowed the attempt's own report is the whole story
+                        log(f"error: the run failed {attempt + 1} times and its restart budget (--max-restarts "
+                            f"{max_restarts}) is spent; last failure: {failure.signature}")
                     return code
                 log(f"restart: attempt {attempt} failed ({failure.signature}); restarting from the last complete "
                     f"checkpoint ({max_restarts - attempt} restart(s) left)")
