@@ -12,6 +12,7 @@ from pathlib import Path
 
 from torchtitan.components.lr_scheduler import check_schedule
 from torchtitan.config import JobConfig
+from torchtitan.datasets.dataloader import check_shard_folder, is_dataset_name, parse_mixture
 from torchtitan.datasets.sources import DATASETS, local_data_files, open_documents
 
 
@@ -21,6 +22,10 @@ def _at_least(n: int) -> tuple[Callable[[object], bool], str]:
 
 def _positive_number() -> tuple[Callable[[object], bool], str]:
     return (lambda v: math.isfinite(v) and v > 0), "a positive number"
+
+
+def _non_negative_number() -> tuple[Callable[[object], bool], str]:
+    return (lambda v: math.isfinite(v) and v >= 0), "a number >= 0"
 
 
 def _fraction(upper_open: bool = False) -> tuple[Callable[[object], bool], str]:
@@ -44,11 +49,11 @@ _RULES = {
     "validation.freq": _at_least(1),
     "validation.steps": _minus_one_or_at_least(1, "the whole validation split"),
     "validation.local_batch_size": _at_least(1),
-    "optimizer.lr": _positive_number(),
+    "optimizer.lr": _non_negative_number(),  # 0 is legitimate: weights stay put (probes, evaluation runs)
     "optimizer.beta1": _fraction(upper_open=True),
     "optimizer.beta2": _fraction(upper_open=True),
     "optimizer.eps": _positive_number(),
-    "optimizer.weight_decay": ((lambda v: math.isfinite(v) and v >= 0), "a number >= 0"),
+    "optimizer.weight_decay": _non_negative_number(),
     "parallelism.pipeline_parallel_microbatch_size": _at_least(1),
     "checkpoint.interval": _at_least(1),
     "checkpoint.keep_latest_k": ((lambda v: v >= 0), "0 (keep all) or more"),
@@ -71,10 +76,15 @@ def check_job_values(cfg: JobConfig) -> None:
     check_schedule(cfg.lr_scheduler, cfg.training.steps)
     _check_creatable_folder(cfg.job.dump_folder)
     t = cfg.training
-    if t.dataset not in DATASETS or (t.dataset == "local" and not t.dataset_path):
-        open_documents(t.dataset, t.dataset_path, "train")  # raises its line: unknown name, no dataset_path
-    if t.dataset == "local":
-        local_data_files(t.dataset_path)  # exists, one format, no empty file; parsing them is the ranks' job
+    sources = [s for s, _ in parse_mixture(t.datasets)] if t.datasets else [t.dataset]
+    for source in sources:
+        if not is_dataset_name(source):
+            check_shard_folder(source, "train")  # reading the shards (tokenizer hash) is the ranks' job
+            continue
+        if source not in DATASETS or (source == "local" and not t.dataset_path):
+            open_documents(source, t.dataset_path, "train")  # raises its line: unknown name, no dataset_path
+        if source == "local":
+            local_data_files(t.dataset_path)  # exists, one format, no empty file; parsing them is the ranks' job
 
 
 def _check_creatable_folder(folder: str) -> None:

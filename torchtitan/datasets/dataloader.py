@@ -42,10 +42,21 @@ def open_window_source(
 ) -> WindowSource:
     """A registered dataset name (tokenized as it is read) or a folder written by
     `python -m torchtitan.datasets.pretokenize` (its `<split>/` shards)."""
-    folder = Path(source)
-    if source in DATASETS or ("/" not in source and not folder.exists()):
+    if is_dataset_name(source):
         # open_documents names the valid datasets (and the nearest one) for an unknown name.
         return TextWindows(open_documents(source, dataset_path, split), tokenizer, window, policy)
+    folder = check_shard_folder(source, split)
+    return ShardWindows(open_shards(folder / split, tokenizer), window, policy, name=folder.name)
+
+
+def is_dataset_name(source: str) -> bool:
+    """A registered dataset name (or a mistyped one), as opposed to a shard folder's path."""
+    return source in DATASETS or ("/" not in source and not Path(source).exists())
+
+
+def check_shard_folder(source: str, split: str) -> Path:
+    """The shard folder `source`, which must hold the `split` split; FileNotFoundError with one line if not."""
+    folder = Path(source)
     if not folder.is_dir():
         raise FileNotFoundError(
             f"shard folder {folder} does not exist (write it with python -m torchtitan.datasets.pretokenize)"
@@ -55,7 +66,7 @@ def open_window_source(
             f"shard folder {folder} has no {split}/ split; write it with "
             f"`python -m torchtitan.datasets.pretokenize ... --split {split} --output {folder}`"
         )
-    return ShardWindows(open_shards(folder / split, tokenizer), window, policy, name=folder.name)
+    return folder
 
 
 def build_text_dataloader(
