@@ -210,7 +210,7 @@ class Trainer:
         global_tokens = self.global_token_count(microbatches)
         loss_sum = torch.zeros((), device=self.device)
         model_metrics: dict[str, torch.Tensor] = {}
-        self._source_sums = None  # a mixture's [2, sources] loss sums and token counts (not under PP)
+        self._source_sums = None  # a mixture's [2, sources] loss sums and token counts
         for i, (inputs, labels) in enumerate(microbatches):
             inputs, source_ids = pop_source_ids(inputs)
             last = i == len(microbatches) - 1
@@ -218,8 +218,10 @@ class Trainer:
                 if hasattr(m, "set_requires_gradient_sync"):
                     m.set_requires_gradient_sync(last)  # FSDP: reduce-scatter once, on the last microbatch
             with self.autocast, self._loss_context():
-                if self.pipeline is not None:
-                    loss_sum += self.pipeline.step(inputs, labels, global_tokens)  # forward+backward
+                if self.pipeline is not None:  # forward+backward
+                    loss, sums = self.pipeline.step(inputs, labels, global_tokens, source_ids, len(self.source_names))
+                    loss_sum += loss
+                    self._add_source_sums(sums)
                     continue
                 out = self._forward(inputs)
                 token_loss = self.loss_fn(out.logits, labels)
@@ -228,8 +230,9 @@ class Trainer:
                 loss = token_loss / global_tokens
                 loss.backward()
                 if source_ids is not None:
-                    sums = per_source_loss_sums(out.logits.detach(), labels, source_ids, len(self.source_names))
-                    self._source_sums = sums if self._source_sums is None else self._source_sums + sums
+                    self._add_source_sums(
+                        per_source_loss_sums(out.logits.detach(), labels, source_ids, len(self.source_names))
+                    )
             loss_sum += loss_value(loss)
             for k, v in out.metrics.items():
                 model_metrics[k] = model_metrics.get(k, 0) + v.detach() / len(microbatches)
@@ -250,6 +253,10 @@ class Trainer:
             self.lr_schedulers.step()
         self.optimizers.zero_grad()
         return loss_sum, grad_norm, model_metrics
+
+    def _add_source_sums(self, sums: torch.Tensor | None) -> None:
+        if sums is not None:
+            self._source_sums = sums if self._source_sums is None else self._source_sums + sums
 
     def _loss_context(self):
         pd = self.parallel_dims

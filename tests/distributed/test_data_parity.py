@@ -1,6 +1,7 @@
 """The data path changes nothing it should not: training from pre-tokenized shards equals training from
-raw text step for step, and a mixture's per-source losses are the same under DP 2 as in one process (the
-token-loss sums and counts of every source are summed over ranks before dividing)."""
+raw text step for step, and a mixture's per-source losses are the same under DP 2 and PP 2 as in one
+process (the token-loss sums and counts of every source are summed over ranks before dividing; under PP
+the last stage computes them inside the schedule)."""
 
 import pytest
 import torch
@@ -29,14 +30,33 @@ def test_run_from_shards_equals_run_from_raw_text(shards, tmp_path):
         assert len(a) == 4 and torch.equal(a, b)  # identical samples, so identical numbers
 
 
-def test_per_source_loss_is_summed_over_data_parallel_ranks(shards, tmp_path):
-    mixture = ["--training.datasets", f"stdlib_docs:0.7,{shards}:0.3"] + SHORT
-    single, _ = train(1, mixture + ["--training.local_batch_size", "4"], str(tmp_path / "single"))
-    dp2, _ = train(2, mixture + ["--parallelism.data_parallel_shard_degree", "2",
-                                 "--training.local_batch_size", "2"], str(tmp_path / "dp2"))
-    keys = ["loss", "loss/stdlib_docs", "loss/stdlib_shards"]
-    assert all(k in m for m in single for k in keys)
-    got = torch.tensor([[m[k] for k in keys] for m in dp2], dtype=torch.float64)
-    ref = torch.tensor([[m[k] for k in keys] for m in single], dtype=torch.float64)
-    torch.testing.assert_close(got, ref, rtol=LOSS_RTOL, atol=0)
+MIXTURE = ["--training.datasets", "stdlib_docs:0.7,{shards}:0.3"] + SHORT
+SOURCE_KEYS = ["loss", "loss/stdlib_docs", "loss/stdlib_shards"]
+
+
+@pytest.fixture(scope="module")
+def single_process_mixture(shards, tmp_path_factory):
+    argv = [a.format(shards=shards) for a in MIXTURE] + ["--training.local_batch_size", "4"]
+    steps, _ = train(1, argv, str(tmp_path_factory.mktemp("single")))
+    assert all(k in m for m in steps for k in SOURCE_KEYS)
+    ref = torch.tensor([[m[k] for k in SOURCE_KEYS] for m in steps], dtype=torch.float64)
     assert not torch.allclose(ref[:, 1], ref[:, 2])  # the two sources' losses are told apart
+    return ref
+
+
+# DP 2: each rank holds half the sources' tokens. PP 2: the last stage computes the loss of 4 microbatches
+# (2 per schedule step, 2 accumulation steps) and rank 0, which logs, holds the first stage only.
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"],
+        ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+         "--parallelism.pipeline_parallel_microbatch_size", "2"],
+    ],
+    ids=["dp2", "pp2"],
+)
+def test_per_source_loss_matches_one_process(single_process_mixture, shards, layout, tmp_path):
+    argv = [a.format(shards=shards) for a in MIXTURE] + layout
+    steps, _ = train(2, argv, str(tmp_path))
+    got = torch.tensor([[m[k] for k in SOURCE_KEYS] for m in steps], dtype=torch.float64)
+    torch.testing.assert_close(got, single_process_mixture, rtol=LOSS_RTOL, atol=0)

@@ -41,10 +41,10 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
-from torchtitan.components.loss import loss_value
+from torchtitan.components.loss import loss_value, per_source_loss_sums
 from torchtitan.distributed.parallel_dims import LayoutError
 from torchtitan.planning.balance import InfeasibleSplit, balanced_split, module_flops
-from torchtitan.protocols.model import shape_only_forward, split_inputs
+from torchtitan.protocols.model import is_shape_only_forward, shape_only_forward, split_inputs
 
 # Schedules by how many stages each rank holds and where they sit.
 SINGLE_STAGE = ("GPipe", "1F1B")
@@ -276,16 +276,32 @@ class _Stage(PipelineStage):
         with shape_only_forward():
             return super()._compute_outputs(*args, module=module, **kwargs)
 
+    def _prepare_backward_infra(self, *args, **kwargs):
+        # The last stage's metadata inference calls the loss on the first microbatch's target.
+        with shape_only_forward():
+            return super()._prepare_backward_infra(*args, **kwargs)
+
 
 class _DivisorLoss:
     """The schedule's loss: the model's summed token loss over a divisor that `Pipeline` sets for the
-    duration of one schedule call (torch's schedules take the loss function once, at construction)."""
+    duration of one schedule call (torch's schedules take the loss function once, at construction).
+
+    For a mixture's per-source loss, `Pipeline` also sets `source_sums` ([2, sources] zeros) and passes
+    the labels and source ids stacked on a last dimension as the schedule's target, so the schedule splits
+    both into the same microbatches; each microbatch's loss adds its per-source token-loss sums and token
+    counts into `source_sums`."""
 
     def __init__(self, loss_fn: Callable):
         self.loss_fn = loss_fn
         self.divisor: torch.Tensor | float = 1.0
+        self.source_sums: torch.Tensor | None = None
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.source_sums is None:
+            return self.loss_fn(logits, target) / self.divisor
+        labels, source_ids = target.unbind(-1)
+        if not is_shape_only_forward():  # not the metadata inference's extra call on microbatch 0
+            self.source_sums += per_source_loss_sums(logits.detach(), labels, source_ids, self.source_sums.shape[1])
         return self.loss_fn(logits, labels) / self.divisor
 
 
@@ -309,18 +325,33 @@ class Pipeline:
     group: dist.ProcessGroup
     """The pp process group."""
 
-    def step(self, inputs, labels: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one local batch; returns the batch's token-loss sum over `divisor` (the
-        step's global token count) on every pp rank. Every pp rank passes the same batch: the first stage
-        reads the inputs, the last the labels."""
+    def step(
+        self,
+        inputs,
+        labels: torch.Tensor,
+        divisor: torch.Tensor,
+        source_ids: torch.Tensor | None = None,
+        num_sources: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward and backward of one local batch; returns (the batch's token-loss sum over `divisor`, the
+        step's global token count; with `source_ids`, the batch's [2, num_sources] per-source token-loss
+        sums and token counts, else None), both on every pp rank. Every pp rank passes the same batch: the
+        first stage reads the inputs, the last the labels and source ids."""
         tokens, extra = split_inputs(inputs)
         losses: list[torch.Tensor] = []
+        target = labels
+        if source_ids is not None:
+            target = torch.stack((labels, source_ids.to(labels.dtype)), dim=-1)
+            self.loss.source_sums = torch.zeros(2, num_sources, device=labels.device)
         self.loss.divisor = divisor
         try:
-            self.schedule.step(tokens, target=labels, losses=losses, return_outputs=False, **extra)
+            self.schedule.step(tokens, target=target, losses=losses, return_outputs=False, **extra)
+            source_sums = self.loss.source_sums
         finally:
-            self.loss.divisor = 1.0
-        return self._on_every_stage(losses, labels.device)
+            self.loss.divisor, self.loss.source_sums = 1.0, None
+        if source_sums is not None:  # held by the last stage; zeros elsewhere
+            dist.all_reduce(source_sums, group=self.group)
+        return self._on_every_stage(losses, labels.device), source_sums
 
     def eval(self, inputs, labels: torch.Tensor) -> torch.Tensor:
         """Forward only; returns the summed token loss of the batch on every pp rank."""
