@@ -1,3 +1,5 @@
+import mmap
+
 import torch
 
 from torchtitan.tools.memory import MemoryMonitor
@@ -11,11 +13,13 @@ def test_cpu_reports_process_rss():
     if "memory/current_rss_gib" in before:
         assert 0 < before["memory/current_rss_gib"] <= before["memory/peak_rss_gib"] + 1e-3
 
-    block = torch.ones(64 * 1024 * 1024, dtype=torch.uint8)  # touch 64 MiB
+    # Fresh anonymous pages, touched: an allocator could hand back memory an earlier test left resident.
+    block = mmap.mmap(-1, 64 * 1024 * 1024)
+    block.write(b"\1" * len(block))
     after = monitor.get_peak_stats()
     assert after["memory/peak_rss_gib"] >= before["memory/peak_rss_gib"]
     if "memory/current_rss_gib" in after:
         assert after["memory/current_rss_gib"] > before["memory/current_rss_gib"] + 0.03
-    del block
+    block.close()
     monitor.reset_peak_stats()
     assert "RSS" in monitor.describe()
