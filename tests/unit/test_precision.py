@@ -123,3 +123,16 @@ def test_this_machine_picks_what_its_flags_say(monkeypatch):
     p = resolve_precision("float32", "auto", CPU)
     if "avx2" in caps or "neon" in caps:
         assert p.mixed == (torch.bfloat16 if native else torch.float32), p.reason
+
+
+def test_fsdp_policy_resolves_auto_for_every_model(cpu_with):
+    """Every model's parallelize takes FSDP's dtypes from fsdp_dtypes; "auto" (the default) must resolve there,
+    not be looked up as a dtype name (Qwen3 and the MoE models crashed with KeyError 'auto' under FSDP)."""
+    from torchtitan.config import JobConfig
+
+    t = JobConfig().training
+    assert t.mixed_precision_param == "auto"
+    cpu_with({"avx512_bf16": True})
+    assert prec.fsdp_dtypes(t, "cpu") == (torch.bfloat16, torch.float32)
+    cpu_with({"avx2": True})
+    assert prec.fsdp_dtypes(t, "cpu") == (torch.float32, torch.float32)

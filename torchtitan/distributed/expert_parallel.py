@@ -26,7 +26,7 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile, check_compile_config, compiles
 from torchtitan.distributed.data_parallel import apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.tools.precision import DTYPES
+from torchtitan.tools.precision import fsdp_dtypes
 
 
 class AllToAllDispatch:
@@ -109,11 +109,12 @@ def parallelize_moe_model(
         apply_compile(model)
     if pd.fsdp_enabled:
         t = job_config.training
+        param_dtype, reduce_dtype = fsdp_dtypes(t, device_type)
         apply_fsdp(
             model,
             pd.fsdp_mesh(),
-            param_dtype=DTYPES[t.mixed_precision_param],
-            reduce_dtype=DTYPES[t.mixed_precision_reduce],
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
             reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
             cpu_offload=t.enable_cpu_offload,
             pp_enabled=pd.pp_enabled,

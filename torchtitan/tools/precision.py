@@ -148,3 +148,10 @@ def emulation_warning(precision: Precision, device: torch.device) -> str:
     else:
         fix = "--training.mixed_precision_param auto (or float32)"
     return f"training in {name}, which this device emulates ({precision.emulated}){slowdown}; for full speed use {fix}"
+
+
+def fsdp_dtypes(training, device_type: str) -> tuple[torch.dtype, torch.dtype]:
+    """(param_dtype, reduce_dtype) of FSDP's mixed-precision policy for a job's `training` section, with
+    mixed_precision_param "auto" resolved for `device_type`: what every model's parallelize passes to apply_fsdp."""
+    mixed = resolve_precision(training.dtype, training.mixed_precision_param, torch.device(device_type)).mixed
+    return mixed, DTYPES[training.mixed_precision_reduce]

@@ -22,7 +22,7 @@ from torchtitan.distributed.compile import apply_compile, check_compile_config, 
 from torchtitan.distributed.context_parallel import ContextParallelAttention, RotateMethod, load_balanced_indices
 from torchtitan.distributed.data_parallel import apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.tools.precision import DTYPES, resolve_precision
+from torchtitan.tools.precision import fsdp_dtypes
 
 
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
@@ -56,11 +56,12 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
         apply_compile(model)
     if pd.fsdp_enabled:
         t = job_config.training
+        param_dtype, reduce_dtype = fsdp_dtypes(t, device_type)
         apply_fsdp(
             model,
             pd.fsdp_mesh(),
-            param_dtype=resolve_precision(t.dtype, t.mixed_precision_param, torch.device(device_type)).mixed,
-            reduce_dtype=DTYPES[t.mixed_precision_reduce],
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
             reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
             cpu_offload=t.enable_cpu_offload,
             pp_enabled=pd.pp_enabled,
