@@ -27,6 +27,10 @@ norm outputs the attention and FFN projections keep (2 D). Context parallel divi
 
 import dataclasses
 
+import torch
+
+from torchtitan.tools.precision import DTYPE_NAMES, resolve_precision
+
 RUNTIME_BYTES_GPU = 2 * 2**30
 """CUDA context, NCCL's communicator buffers and cuBLAS workspaces per GPU, outside PyTorch's allocator;
 stated, not measured here."""
@@ -217,6 +221,10 @@ def rank_work(cfg, parallel_dims, grad_accum: int, *, blocks: int, holds_embeddi
     several microbatches."""
     pd, t, p = parallel_dims, cfg.training, cfg.parallelism
     compute = t.mixed_precision_param if (pd.fsdp_enabled or t.dtype == "float32") else t.dtype
+    if compute == "auto":
+        # Every GPU in the planner's device table multiplies bf16 natively; on CPU, what this machine would pick.
+        local = DTYPE_NAMES[resolve_precision(t.dtype, "auto", torch.device("cpu")).mixed]
+        compute = "bfloat16" if on_gpu else local
     act_bytes = 2 if compute in ("bfloat16", "float16") else 4
     if pd.pp_enabled:
         n_mb = t.local_batch_size // p.pipeline_parallel_microbatch_size
