@@ -1,7 +1,7 @@
 """Layout planner: which parallel layout, AC mode and batch split to train a model with on N devices.
 
     python -m torchtitan.plan --model llama3 --flavor 8B --devices 8 --device-type H100-80GB \
-        --seq-len 8192 --global-batch-size 16 [--top 3] [--mfu 0.5]
+        --seq-len 8192 --global-batch-size 16 [--top 3] [--mfu 0.5] [--float8 [--float8-all-gather]] [--async-tp]
 
 Prints the fastest layouts that fit, each with its predicted throughput, where the time goes, its peak
 memory, and the TOML to paste into a recipe. See docs/planning.md for the model and its assumptions.
@@ -22,13 +22,19 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--vocab-size", type=int, default=None, help="default: the flavor's")
     ap.add_argument("--top", type=int, default=3)
     ap.add_argument("--mfu", type=float, default=None, help="fraction of peak the matmuls reach (default 0.5)")
+    ap.add_argument("--parallelisms", default=None,
+                    help="use exactly these model-parallel dimensions, comma-separated from tp,pp,cp (data parallel "
+                         "over the rest); 'none' = data parallel only; default: any")
+    ap.add_argument("--float8", action="store_true", help="train with tensorwise Float8 linears")
+    ap.add_argument("--float8-all-gather", action="store_true", help="FSDP all-gathers Float8 weights in float8")
+    ap.add_argument("--async-tp", action="store_true", help="train with async tensor parallel (needs compile)")
     a = ap.parse_args(argv)
     import dataclasses
 
     from torchtitan.errors import USER_ERRORS
     from torchtitan.planning.hardware import get_device
     from torchtitan.planning.memory import ModelShape
-    from torchtitan.planning.planner import explain, plan_layouts
+    from torchtitan.planning.planner import Features, explain, parse_model_parallel, plan_layouts
     from torchtitan.planning.step_time import DEFAULT_MFU
     from torchtitan.protocols.train_spec import get_flavor, get_train_spec
 
@@ -45,11 +51,13 @@ def main(argv: list[str]) -> int:
             )
         if a.devices < 1 or a.seq_len < 1 or a.global_batch_size < 1:
             raise ValueError("--devices, --seq-len and --global-batch-size must be positive")
+        model_parallel = parse_model_parallel(a.parallelisms)
+        features = Features(float8=a.float8, float8_all_gather=a.float8_all_gather, async_tp=a.async_tp)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result = plan_layouts(shape, device, a.devices, a.seq_len, a.global_batch_size,
-                          a.mfu or DEFAULT_MFU)
+                          a.mfu or DEFAULT_MFU, features=features, model_parallel=model_parallel)
     dropped = ", ".join(f"{n} {why}" for why, n in result.dropped.items())
     print(f"{a.model} {a.flavor} on {a.devices} x {device.name}, seq {a.seq_len}, global batch "
           f"{a.global_batch_size}: {len(result.ranked)} layouts fit ({dropped})\n")
@@ -58,9 +66,11 @@ def main(argv: list[str]) -> int:
         return 1
     best = result.ranked[0].time.total
     for i, c in enumerate(result.ranked[: a.top], 1):
-        lead = "fastest" if i == 1 else f"{100 * (c.time.total / best - 1):.1f}% slower than #1"
+        slower = 100 * (c.time.total / best - 1)
+        # Times equal to 3 significant digits rank the simpler layout first (planner.plan_layouts).
+        lead = "fastest" if i == 1 else f"{slower:.1f}% slower than #1" if slower >= 0.05 else "ties #1"
         print(f"#{i} ({lead}): {explain(c, a.seq_len, a.global_batch_size, device)}")
-        print("  " + c.layout.toml(a.seq_len, a.global_batch_size).replace("\n", "\n  ") + "\n")
+        print("  " + c.layout.toml(a.seq_len, a.global_batch_size, features).replace("\n", "\n  ") + "\n")
     return 0
 
 

@@ -23,14 +23,52 @@ from torchtitan.planning.memory import (
     in_flight_microbatches,
     pp_recv_buffer_count,
 )
-from torchtitan.planning.step_time import DEFAULT_MFU, FULL_SPEED_TOKENS, StepTime, collective_time
+from torchtitan.planning.step_time import (
+    ASYNC_TP_HIDDEN,
+    DEFAULT_MFU,
+    FLOAT8_LINEAR_SPEEDUP,
+    FULL_SPEED_TOKENS,
+    StepTime,
+    collective_time,
+    link,
+)
 
 AC_MODES = ("none", "op", "full")
+MODEL_PARALLEL = ("tp", "pp", "cp")
 SCHEDULES = ("1F1B", "Interleaved1F1B")
 STATE_BYTES_PER_PARAM = 16
 """fp32 parameter + fp32 gradient + AdamW's two fp32 moments (training.dtype float32, bf16 compute)."""
 ACT_BYTES = 2
 """bf16 activations and gathered parameters (mixed_precision_param bfloat16)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """Training features the user has chosen (the planner does not choose them); they change what each
+    layout costs: Float8 speeds up compute but not communication, async TP hides TP traffic."""
+
+    float8: bool = False
+    """Tensorwise Float8 linears (--model.converters float8; the output projection stays bf16)."""
+    float8_all_gather: bool = False
+    """FSDP all-gathers the Float8 linears' weights in float8 (--float8.enable_fsdp_float8_all_gather)."""
+    async_tp: bool = False
+    """--parallelism.enable_async_tensor_parallel (with --compile.enable)."""
+
+    def __post_init__(self):
+        if self.float8_all_gather and not self.float8:
+            raise ValueError("float8 all-gather needs Float8 linears: add --float8 (the planner's flag)")
+
+    def toml(self, tp: int) -> str:
+        """Recipe lines for these features; async TP only where there is TP."""
+        sections = []
+        if self.float8:
+            sections.append('[model]\nconverters = ["float8"]')
+            if self.float8_all_gather:
+                sections.append("[float8]\nenable_fsdp_float8_all_gather = true\n"
+                                "precompute_float8_dynamic_scale_for_fsdp = true")
+        if self.async_tp and tp > 1:
+            sections.append('[compile]\nenable = true\ncomponents = ["model", "loss"]')
+        return "\n\n".join(sections)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +89,7 @@ class Layout:
     """Interleaved schedules: units of compute per stage (pipeline_parallel_layers_per_stage); None = 2
     stages per rank."""
 
-    def toml(self, seq_len: int, global_batch_size: int) -> str:
+    def toml(self, seq_len: int, global_batch_size: int, features: Features = Features()) -> str:
         ac = {"none": 'mode = "none"', "full": 'mode = "full"',
               "op": 'mode = "selective"\nselective_ac_option = "op"'}[self.ac]
         lines = [
@@ -66,7 +104,15 @@ class Layout:
                       f"pipeline_parallel_microbatch_size = {self.microbatch_size}"]
             if self.layers_per_stage is not None:
                 lines.append(f"pipeline_parallel_layers_per_stage = {self.layers_per_stage}")
-        return "\n".join(lines + ["", "[activation_checkpoint]", ac])
+        if features.async_tp and self.tp > 1:
+            lines.append("enable_async_tensor_parallel = true")
+        extra = features.toml(self.tp)
+        return "\n".join(lines + ["", "[activation_checkpoint]", ac] + (["", extra] if extra else []))
+
+    @property
+    def model_parallel(self) -> frozenset[str]:
+        """The model-parallel dimensions this layout uses (degree > 1)."""
+        return frozenset(n for n in MODEL_PARALLEL if getattr(self, n) > 1)
 
     def describe(self) -> str:
         parts = [f"{n} {v}" for n, v in (("pp", self.pp), ("dp_replicate", self.dp_replicate),
@@ -121,6 +167,16 @@ def module_flops_per_token(shape: ModelShape, seq_len: int) -> dict[str, float]:
     return d
 
 
+def module_cost_per_token(shape: ModelShape, seq_len: int, features: Features) -> dict[str, float]:
+    """module_flops_per_token in bf16-equivalent FLOPs: with Float8 the blocks' linears count
+    1 / FLOAT8_LINEAR_SPEEDUP of theirs (attention and the bf16 output projection count in full)."""
+    cost = module_flops_per_token(shape, seq_len)
+    if features.float8:
+        saved = 6 * shape.block_params * (1 - 1 / FLOAT8_LINEAR_SPEEDUP)
+        cost.update({n: f - saved for n, f in cost.items() if n.startswith("layers.")})
+    return cost
+
+
 def flops_per_token(shape: ModelShape, seq_len: int) -> float:
     """Training FLOPs per token of the whole model (what MFU and published TFLOP/s figures count)."""
     return sum(module_flops_per_token(shape, seq_len).values())
@@ -131,7 +187,8 @@ def _ac_factor(ac: str) -> float:
 
 
 def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, seq_len: int,
-             global_batch_size: int, mfu: float = DEFAULT_MFU, network: Network = FLAT_NETWORK) -> Candidate:
+             global_batch_size: int, mfu: float = DEFAULT_MFU, network: Network = FLAT_NETWORK,
+             features: Features = Features()) -> Candidate:
     """Memory and step time of one layout; raises LayoutError when the layout cannot run."""
     L = layout
     pd = ParallelDims(L.dp_replicate, L.dp_shard, L.cp, L.tp, L.pp, devices)
@@ -163,7 +220,7 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
         n_mb = L.grad_accum
     # The pipeline runs at the pace of its busiest rank (stages differ: the output projection weighs
     # more than a block, the embedding nothing).
-    module_fpt = module_flops_per_token(shape, seq_len)
+    module_fpt = module_cost_per_token(shape, seq_len, features)
     busiest_fpt = max(sum(module_fpt[n] for st in stages for n in st) for stages in all_ranks.values())
     # Memory of the heaviest pipeline rank.
     worst: MemoryEstimate | None = None
@@ -180,7 +237,7 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
             holds_embedding="tok_embeddings" in names, holds_output="output" in names,
             in_flight=in_flight_microbatches(L.schedule, n_mb, L.pp, r, len(stages)) if L.pp > 1 else 1,
             grads_live=n_mb > 1, tp=L.tp, cp=L.cp, fsdp=fsdp, ac=L.ac, act_bytes=ACT_BYTES,
-            gathered_param_bytes=ACT_BYTES, on_gpu=True,
+            gathered_param_bytes=1 if features.float8_all_gather else ACT_BYTES, on_gpu=True,
             unsharded_grad_params=int(stage_params / L.tp) if fsdp > 1 and n_mb > 1 else 0,
             params_stay_gathered=L.pp > 1,
             pp_recv_buffers=pp_recv_buffer_count(n_mb, len(stages), "tok_embeddings" in names, "output" in names)
@@ -201,35 +258,59 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
     blocks_per_rank = math.ceil(shape.n_layers / L.pp)
     exposed: dict[str, float] = {}
     # FSDP / HSDP. Gradients are reduced once, after the last microbatch (the trainer turns gradient sync off
-    # for the others; under PP torch's PipelineStage does), so the reduce-scatter (and HSDP's all-reduce)
-    # hides only behind that microbatch's backward; under PP only the rank's last stage's reduction is
-    # exposed that way (the other stages' run while it still computes). Gathers: without PP every block is
-    # gathered per microbatch in forward and again in backward, prefetched behind the step's compute; under
-    # PP a stage stays gathered, so its gathers hide only behind the first microbatch's forward. The first
-    # gather and the last reduction of a block are never hidden.
+    # for the others; under PP torch's PipelineStage does). Without PP every block is gathered per
+    # microbatch in forward and again in backward, one block ahead (FSDP2's prefetch), so each phase's
+    # gathers hide only behind that phase's compute; the last backward also carries the reduce-scatter (and
+    # HSDP's all-reduce) on the same link, so they hide together or not at all. Under PP a stage stays
+    # gathered: its gathers hide only behind the first microbatch's forward, and only the rank's last stage's
+    # reduction is exposed behind its last backward (the other stages' run while it still computes). The
+    # first gather and the last reduction of a block are never hidden.
     if fsdp > 1 or L.dp_replicate > 1:
         span = L.tp * fsdp
         units = blocks_per_rank + 1  # + the embedding / output group, about a block's size each
         block = shape.block_params / L.tp
-        ag, rs = (collective_time(device, fsdp, block * b, span, network) for b in (2, 4))
+        gathered = 1 if features.float8_all_gather else ACT_BYTES
+        ag, rs = (collective_time(device, fsdp, block * b, span, network) for b in (gathered, 4))
         ar = 0.0
         if L.dp_replicate > 1:
             shard = stage_params_max / (L.tp * fsdp) * 4
-            ar = 2 * collective_time(device, L.dp_replicate, shard, L.dp_replicate * fsdp * L.tp, network)
+            ar_span = L.dp_replicate * fsdp * L.tp
+            ar = 2 * collective_time(device, L.dp_replicate, shard, ar_span, network)
+        shared = L.dp_replicate == 1 or link(device, span) == link(device, L.dp_replicate * span)
+        reduction = units * rs + ar if shared else max(units * rs, ar)
         mb_compute = compute / n_mb  # one microbatch through all of this rank's stages
         fwd = mb_compute / (3 * _ac_factor(L.ac))
-        v = plan.stages_per_rank if L.pp > 1 else 1
-        gather = units * ag - fwd if L.pp > 1 else 2 * n_mb * units * ag - compute
-        reduce = (units * rs + ar - (mb_compute - fwd)) / v
-        exposed["FSDP/HSDP"] = max(0.0, gather) + max(0.0, reduce) + ag + rs
+        bwd = mb_compute - fwd
+        if L.pp > 1:
+            v = plan.stages_per_rank
+            hidden_late = max(0.0, units * ag - fwd) + max(0.0, reduction - bwd) / v
+        else:
+            gathers = units * ag
+            if not shared:
+                reduction = max(units * (ag + rs), ar)  # the backward's gathers share the reduce-scatter's link
+            else:
+                reduction += gathers
+            hidden_late = (n_mb * max(0.0, gathers - fwd) + (n_mb - 1) * max(0.0, gathers - bwd)
+                           + max(0.0, reduction - bwd))
+        exposed["FSDP/HSDP"] = hidden_late + ag + rs
     tokens_mb = (L.microbatch_size if L.pp > 1 else L.local_batch_size) * seq_len / L.cp
     passes = n_mb if L.pp > 1 else L.grad_accum
     if L.tp > 1:
-        per = collective_time(device, L.tp, tokens_mb * shape.dim * ACT_BYTES, L.tp, network)
+        full = tokens_mb * shape.dim * ACT_BYTES
+        per = collective_time(device, L.tp, full, L.tp, network)
         # 2 all-gathers + 2 reduce-scatters in forward, as many in backward; recomputation repeats the
         # forward's 4 under full AC and, under op AC, the 2 all-gathers (only reduce-scatter outputs are saved).
         count = 8 + {"none": 0, "op": 2, "full": 4}[L.ac]
-        exposed["TP"] = blocks_per_rank * passes * count * per
+        comm = count * per
+        if features.float8:  # the forward's all-gathers (and their recomputation) carry float8
+            forward_gathers = 2 + (2 if L.ac in ("op", "full") else 0)
+            comm -= forward_gathers * (per - collective_time(device, L.tp, full / ACT_BYTES, L.tp, network))
+        if features.async_tp:
+            linears = 6 * shape.block_params * tokens_mb * _ac_factor(L.ac) / L.tp / (device.bf16_flops * speed)
+            if features.float8:
+                linears /= FLOAT8_LINEAR_SPEEDUP
+            comm -= min(ASYNC_TP_HIDDEN * comm, linears)
+        exposed["TP"] = blocks_per_rank * passes * comm
     if L.cp > 1:
         kv = tokens_mb * L.cp * 2 * shape.kv_dim * ACT_BYTES  # K and V of the whole sequence
         per = collective_time(device, L.cp, kv, L.cp * L.tp, network)
@@ -283,14 +364,34 @@ def enumerate_layouts(shape: ModelShape, devices: int, seq_len: int, global_batc
                                                      layers_per_stage=lps)
 
 
+def parse_model_parallel(text: str | None) -> frozenset[str] | None:
+    """--parallelisms: "tp,pp" -> {"tp", "pp"}; "none" -> data parallel only; None -> any layout."""
+    if text is None:
+        return None
+    names = frozenset(n.strip() for n in text.split(",") if n.strip() and n.strip() != "none")
+    unknown = sorted(names - set(MODEL_PARALLEL))
+    if unknown:
+        raise ValueError(f"--parallelisms: unknown {', '.join(unknown)}; choose from {','.join(MODEL_PARALLEL)} or "
+                         f"none (data parallel takes the remaining devices)")
+    return names
+
+
 def plan_layouts(shape: ModelShape, device: Device, devices: int, seq_len: int, global_batch_size: int,
                  mfu: float = DEFAULT_MFU, cp_min_seq_len: int = CP_MIN_SEQ_LEN,
-                 network: Network = FLAT_NETWORK) -> PlanResult:
-    """Every layout enumerate_layouts yields, judged and ranked."""
+                 network: Network = FLAT_NETWORK, features: Features = Features(),
+                 model_parallel: frozenset[str] | None = None) -> PlanResult:
+    """Every layout enumerate_layouts yields, judged and ranked. `model_parallel` keeps only the layouts that
+    use exactly these model-parallel dimensions (a subset of MODEL_PARALLEL; data parallel takes the rest);
+    None keeps all."""
+    if model_parallel is not None:
+        parse_model_parallel(",".join(model_parallel) or "none")  # raises on an unknown name
     ranked, dropped = [], {"does not divide / invalid pipeline": 0, "does not fit memory": 0}
     for layout in enumerate_layouts(shape, devices, seq_len, global_batch_size, device.gpus_per_node, cp_min_seq_len):
+        if model_parallel is not None and layout.model_parallel != model_parallel:
+            continue
         try:
-            ranked.append(evaluate(shape, layout, device, devices, seq_len, global_batch_size, mfu, network))
+            ranked.append(evaluate(shape, layout, device, devices, seq_len, global_batch_size, mfu, network,
+                                   features))
         except LayoutError:
             dropped["does not divide / invalid pipeline"] += 1
         except MemoryError:
@@ -312,8 +413,8 @@ def explain(c: Candidate, seq_len: int, global_batch_size: int, device: Device) 
     if t.bubble:
         parts.append(f"pipeline bubble {100 * t.bubble:.0f}%")
     return (f"{c.layout.describe()}\n"
-            f"  predicted {c.tokens_per_s_per_device:,.0f} tokens/s/device (MFU {100 * c.mfu:.0f}%), step "
+            f"  predicted {c.tokens_per_s_per_device:,.0f} tokens/s/device (MFU {100 * c.mfu:.0f}% of the bf16 peak), step "
             f"{t.total:.2f} s = {', '.join(parts)}\n"
-            f"  peak memory {c.memory.peak / 2**30:.1f} GiB of {device.memory_bytes / 2**30:.0f} GiB "
+            f"  peak memory {c.memory.peak / 2**30:.1f} GiB of {device.memory_bytes / 2**30:.1f} GiB "
             f"(activations {c.memory.components['activations'] / 2**30:.1f}, model states "
             f"{sum(c.memory.components[k] for k in ('parameters', 'gradients', 'optimizer state')) / 2**30:.1f})")
