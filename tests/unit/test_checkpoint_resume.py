@@ -143,6 +143,18 @@ def test_model_only_checkpoint_for_a_full_load(done_run, tmp_path, capsys):
                    "holds no 'optimizer' state")
 
 
+def test_another_optimizer_is_refused_unless_its_state_is_left_out(done_run, tmp_path, capsys):
+    """AdamW's state loaded into Muon fails deep in DCP, into Adam it loads silently: both get one line that
+    names the two optimizers, and leaving the optimizer state out continues with a fresh one."""
+    copy_run(done_run, tmp_path)
+    for other in ("Muon", "Adam"):
+        assert_refused(capsys, tmp_path, ["--training.steps", "5", *CKPT, "--optimizer.name", other],
+                       f"holds AdamW optimizer state but this run uses --optimizer.name {other}")
+    assert run(tmp_path, "--training.steps", "5", *CKPT, "--optimizer.name", "Adam",
+               "--checkpoint.exclude_from_loading", "optimizer") == 0
+    assert len(losses(tmp_path)) == 1  # step 5 only: resumed from step-4's weights
+
+
 def test_unknown_exclude_key(tmp_path, capsys):
     assert_refused(capsys, tmp_path, ["--training.steps", "1", "--checkpoint.enable",
                                       "--checkpoint.exclude_from_loading", "optimiser"], "unknown state 'optimiser'")

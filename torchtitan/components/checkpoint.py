@@ -14,6 +14,7 @@ import io
 import os
 import shutil
 import time
+import tomllib
 import warnings
 
 import torch
@@ -129,6 +130,17 @@ def check_shapes(source: str, saved: dict[str, torch.Size], expected: dict[str, 
     extra = sorted(set(saved) - set(expected))
     if exact and extra:
         raise CheckpointError(f"{source} holds {len(extra)} weight(s) this model lacks, e.g. {extra[0]}; {hint}")
+
+
+def saved_optimizer(path: str) -> str | None:
+    """The optimizer name in a checkpoint folder's config.toml; None when the folder has no readable one
+    (a checkpoint from elsewhere)."""
+    try:
+        with open(os.path.join(path, folders.CONFIG), "rb") as f:
+            name = tomllib.load(f).get("optimizer", {}).get("name")
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    return name if isinstance(name, str) else None
 
 
 def read_dcp_metadata(path: str):
@@ -314,6 +326,17 @@ class CheckpointManager:
                     f"checkpoint {path} holds no {key!r} state (a model-only checkpoint?); load it with "
                     f"--checkpoint.initial_load_path {path} --checkpoint.initial_load_model_only, or add {key!r} "
                     f"to --checkpoint.exclude_from_loading"
+                )
+        if "optimizer" in keys:
+            # Another optimizer's state fails deep inside DCP (missing keys), or, between Adam and AdamW whose
+            # states look alike, loads silently into an optimizer that uses it differently.
+            name, theirs = self.cfg.optimizer.name, saved_optimizer(path)
+            if theirs is not None and theirs != name:
+                raise CheckpointError(
+                    f"checkpoint {path} holds {theirs} optimizer state but this run uses --optimizer.name {name}: "
+                    f"set --optimizer.name {theirs} to continue the run, or add optimizer to "
+                    f"--checkpoint.exclude_from_loading to keep the weights, data position and LR schedule and "
+                    f"start {name} afresh"
                 )
         if "model" in keys:
             saved_model = {k[len("model.") :]: m.size for k, m in saved.items() if k.startswith("model.")}
