@@ -77,3 +77,22 @@ def test_balanced_split_needs_costs_and_enough_modules():
         plan_pipeline(p, order, 1, 2, 16, costs)
     with pytest.raises(ValueError, match="one cost per module"):
         plan_pipeline(dataclasses.replace(p, pipeline_parallel_degree=2), order, 1, 2, 16)
+
+
+def test_a_moe_block_weighs_its_active_experts_only():
+    """A token passes through top_k routed experts (stacked parameters, not nn.Linear) plus the router and
+    the shared experts: the balanced split weighs MoE blocks by that, not by zero routed FLOPs nor by all
+    experts."""
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model, deepseek_v3_flavors
+
+    args = deepseek_v3_flavors["debugmodel"]
+    with torch.device("meta"):
+        model = DeepSeekV3Model(args)
+    dense, moe = model.layers["0"], model.layers["1"]
+    flops = module_flops(model, ["layers.0", "layers.1"], 0.0)
+    attention = sum(m.weight.numel() for m in moe.attention.modules() if isinstance(m, torch.nn.Linear))
+    m = args.moe
+    one_expert = 3 * args.dim * m.hidden_dim
+    by_hand = attention + args.dim * m.num_experts + m.num_shared_experts * one_expert + m.top_k * one_expert
+    assert flops[1] == 6 * by_hand
+    assert flops[0] == 6 * sum(p.numel() for n, p in dense.named_parameters() if n.endswith(".weight") and p.dim() == 2)

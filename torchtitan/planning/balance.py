@@ -72,13 +72,24 @@ def bottleneck(costs: Sequence[float], sizes: Sequence[int]) -> float:
 def module_flops(model: nn.Module, order: Sequence[str], attention_flops_per_token_per_block: float) -> list[float]:
     """Training FLOPs per token (forward + backward) of each module named in `order`: 6 per weight of every
     nn.Linear inside it (2 forward, 4 backward), plus `attention_flops_per_token_per_block` for each block
-    of `layers` (score and value matmuls, which have no weights). Embedding lookups and norms cost ~0 FLOPs;
-    the output projection, with a large vocabulary, costs more than a block."""
+    of `layers` (score and value matmuls, which have no weights). A submodule that defines
+    `active_params_per_token()` (a mixture of experts: only top_k experts see a token) counts that instead of
+    its linears. Embedding lookups and norms cost ~0 FLOPs; the output projection, with a large vocabulary,
+    costs more than a block."""
     out = []
     for name in order:
-        module = model.get_submodule(name)
-        flops = 6.0 * sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+        flops = 6.0 * _active_params(model.get_submodule(name))
         if name.startswith("layers."):
             flops += attention_flops_per_token_per_block
         out.append(flops)
     return out
+
+
+def _active_params(module: nn.Module) -> int:
+    """Weights a token multiplies inside `module`: its own count where it declares one, else its nn.Linear
+    weights, recursively."""
+    if hasattr(module, "active_params_per_token"):
+        return module.active_params_per_token()
+    if isinstance(module, nn.Linear):
+        return module.weight.numel()
+    return sum(_active_params(child) for child in module.children())
