@@ -266,23 +266,40 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def _forward_loss_sum(self, inputs, labels: torch.Tensor) -> torch.Tensor:
-        """Summed token loss of one validation batch, however the job is laid out."""
+    def _forward_loss_sums(self, inputs, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Summed token loss of one validation batch, however the job is laid out, and for a mixture its
+        [2, sources] per-source token-loss sums and token counts (else None)."""
         inputs, labels = shard_batch(_to_device((inputs, labels), self.device), *self.parallel_dims.coordinate("cp"))
+        inputs, source_ids = pop_source_ids(inputs)
+        n = len(self.source_names)
         with self.autocast, self._loss_context():
             if self.pipeline is not None:
-                return self.pipeline.eval(inputs, labels)
-            return loss_value(self.loss_fn(self._forward(inputs).logits, labels))
+                return self.pipeline.eval(inputs, labels, source_ids, n)
+            logits = self._forward(inputs).logits
+            sums = None if source_ids is None else per_source_loss_sums(logits, labels, source_ids, n)
+            return loss_value(self.loss_fn(logits, labels)), sums
 
     def validate(self, step: int) -> dict[str, float]:
+        """The spec's validator over the validation split; a mixture adds validation/loss/<source>."""
         loader = self._build_dataloader("validation", self.cfg.validation.local_batch_size, infinite=False)
+        source_sums: list[torch.Tensor] = []
+
+        def forward_loss_sum(inputs, labels: torch.Tensor) -> torch.Tensor:
+            loss, sums = self._forward_loss_sums(inputs, labels)
+            if sums is not None:
+                source_sums.append(sums)
+            return loss
+
         for m in self.model_parts:
             m.eval()
         try:
-            metrics = self.validator(self._forward_loss_sum, loader, lambda x: self._reduce_over(x, "dp_cp"))
+            metrics = self.validator(forward_loss_sum, loader, lambda x: self._reduce_over(x, "dp_cp"))
         finally:
             for m in self.model_parts:
                 m.train()
+        if source_sums:  # every rank saw batches of the mixture, so every rank reduces
+            sums = self._reduce_over(torch.stack(source_sums).sum(0), "dp_cp")
+            metrics.update({f"validation/{k}": v for k, v in per_source_metrics(sums, self.source_names).items()})
         self.metrics.log(step, metrics)
         return metrics
 

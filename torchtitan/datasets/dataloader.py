@@ -101,7 +101,7 @@ def build_text_dataloader(
     features = SampleFeatures(
         document_ids=t.document_masking,
         document_positions=t.document_positions,
-        source_ids=len(sources) > 1 and split == "train",
+        source_ids=len(sources) > 1,  # loss/<source>, and validation/loss/<source>
         bos_id=tokenizer.bos_id,
     )
     ds = GlobalBatchSlicer(

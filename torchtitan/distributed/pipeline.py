@@ -337,6 +337,17 @@ class Pipeline:
         step's global token count; with `source_ids`, the batch's [2, num_sources] per-source token-loss
         sums and token counts, else None), both on every pp rank. Every pp rank passes the same batch: the
         first stage reads the inputs, the last the labels and source ids."""
+        return self._run(self.schedule.step, inputs, labels, divisor, source_ids, num_sources, return_outputs=False)
+
+    def eval(
+        self, inputs, labels: torch.Tensor, source_ids: torch.Tensor | None = None, num_sources: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward only; returns (the summed token loss of the batch, per-source sums as in `step` or None)
+        on every pp rank."""
+        with _forward_only(self.schedule):
+            return self._run(self.schedule.eval, inputs, labels, 1.0, source_ids, num_sources)
+
+    def _run(self, run, inputs, labels, divisor, source_ids, num_sources, **kw):
         tokens, extra = split_inputs(inputs)
         losses: list[torch.Tensor] = []
         target = labels
@@ -345,21 +356,13 @@ class Pipeline:
             self.loss.source_sums = torch.zeros(2, num_sources, device=labels.device)
         self.loss.divisor = divisor
         try:
-            self.schedule.step(tokens, target=target, losses=losses, return_outputs=False, **extra)
+            run(tokens, target=target, losses=losses, **kw, **extra)
             source_sums = self.loss.source_sums
         finally:
             self.loss.divisor, self.loss.source_sums = 1.0, None
         if source_sums is not None:  # held by the last stage; zeros elsewhere
             dist.all_reduce(source_sums, group=self.group)
         return self._on_every_stage(losses, labels.device), source_sums
-
-    def eval(self, inputs, labels: torch.Tensor) -> torch.Tensor:
-        """Forward only; returns the summed token loss of the batch on every pp rank."""
-        tokens, extra = split_inputs(inputs)
-        losses: list[torch.Tensor] = []
-        with _forward_only(self.schedule):
-            self.schedule.eval(tokens, target=labels, losses=losses, **extra)
-        return self._on_every_stage(losses, labels.device)
 
     def _on_every_stage(self, losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         """Sum of the last stage's microbatch losses, on every pp rank (the others contribute zero)."""
