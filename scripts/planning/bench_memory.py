@@ -35,6 +35,14 @@ RUNS = {  # name: (world, extra args)
                                                   "--training.global_batch_size", "16"]),
     "PP 2 1F1B, AC none": (2, ["--parallelism.pipeline_parallel_degree", "2",
                                "--model.flavor", "debugmodel_tiny4"]),
+    # Every schedule the trainer runs, 8 microbatches of one sequence, so that the in-flight activations
+    # (which differ by schedule) dominate.
+    **{f"PP 2 {s}, 8 microbatches": (2, ["--parallelism.pipeline_parallel_degree", "2",
+                                         "--parallelism.pipeline_parallel_schedule", s,
+                                         "--training.local_batch_size", "8",
+                                         "--parallelism.pipeline_parallel_microbatch_size", "1"])
+       for s in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                 "DualPipeV")},
 }
 COMMON = [
     "--model.flavor", "debugmodel", "--training.seq_len", "512", "--training.local_batch_size", "4",

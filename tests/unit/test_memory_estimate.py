@@ -47,3 +47,25 @@ def test_components_add_up_and_gpu_overheads_are_cpu_free():
     none = estimate_memory(shape, state, RankWork(tokens_per_microbatch=128, blocks=2, in_flight=3))
     per_token = block_elems_per_token(shape, "none") - block_elems_per_token(shape, "full")
     assert none.components["activations"] - full.components["activations"] == pytest.approx(per_token * 4 * 128 * 2 * 3)
+
+
+@pytest.mark.parametrize("m,pp,v", [(4, 2, 2), (8, 2, 2), (8, 4, 2), (16, 4, 3), (12, 4, 2), (32, 8, 4)])
+def test_interleaved_warmup_formula_equals_torchs_played_order(m, pp, v):
+    """Interleaved1F1B's closed form (used by the planner, fast) and the peak read off torch's own action
+    order agree on every rank; LoopedBFS's order runs every forward first, as its formula says."""
+    from torchtitan.planning.memory import _peak_stage_activations, in_flight_microbatches
+
+    played = _peak_stage_activations("Interleaved1F1B", m, pp, v)
+    assert [in_flight_microbatches("Interleaved1F1B", m, pp, r, v) for r in range(pp)] == [p / v for p in played]
+    assert _peak_stage_activations("LoopedBFS", m, pp, v) == (v * m,) * pp
+
+
+def test_split_backward_schedules_keep_activations_until_the_weight_pass():
+    """Read off torch's order (pp 2, 8 microbatches): ZBV's rank 0 runs 0F0 0F1 0F2 3F0 before its first
+    backward, and each input-gradient pass (I) keeps its activations until the weight pass (W): 4 stage
+    activations at most. DualPipeV overlaps a forward with a backward, one more: 5."""
+    from torchtitan.planning.memory import _peak_stage_activations, in_flight_microbatches
+
+    assert _peak_stage_activations("ZBVZeroBubble", 8, 2, 2) == (4, 4)
+    assert _peak_stage_activations("DualPipeV", 8, 2, 2) == (5, 5)
+    assert in_flight_microbatches("ZBVZeroBubble", 8, 2, 0, 2) == 2.0

@@ -26,6 +26,7 @@ norm outputs the attention and FFN projections keep (2 D). Context parallel divi
 """
 
 import dataclasses
+import functools
 
 import torch
 
@@ -196,16 +197,59 @@ def ac_key(ac_cfg) -> str:
 
 
 def in_flight_microbatches(schedule: str, n_microbatches: int, pp: int, pp_rank: int, stages_per_rank: int) -> float:
-    """(stage, microbatch) forwards whose activations a pp rank keeps at once, in units of one whole stage
-    of this rank: GPipe all of them; 1F1B the pp - rank warm-up forwards; looped schedules their warm-up,
-    (v - 1) x pp + 2 x (pp - 1 - rank) + 1 forwards of single stages (v = stages per rank). The
-    estimator multiplies by the blocks of all local stages, hence the division by v."""
+    """The most (stage, microbatch) activations a pp rank keeps at once, in units of one microbatch through
+    all its stages (the estimator multiplies by the blocks of all local stages). GPipe and LoopedBFS run
+    every forward before any backward: all microbatches. 1F1B keeps its pp - rank warm-up forwards;
+    Interleaved1F1B its warm-up, (v - 1) x pp + 2 x (pp - 1 - rank) + 1 single-stage forwards (torch's
+    formula; the planner evaluates thousands of these, and a test checks it against the played order).
+    The split-backward and V-shaped schedules are played from torch's own action order
+    (`_peak_stage_activations`)."""
     v = stages_per_rank
-    if schedule == "GPipe":
+    if schedule in ("GPipe", "LoopedBFS"):
         return n_microbatches
     if v == 1:
         return min(n_microbatches, pp - pp_rank)
-    return min(v * n_microbatches, (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1) / v
+    if schedule == "Interleaved1F1B":
+        return min(v * n_microbatches, (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1) / v
+    return _peak_stage_activations(schedule, n_microbatches, pp, v)[pp_rank] / v
+
+
+@functools.lru_cache(maxsize=256)
+def _peak_stage_activations(schedule: str, n_microbatches: int, pp: int, stages_per_rank: int) -> tuple[int, ...]:
+    """Per pp rank, the peak count of (stage, microbatch) activations alive, walking the action order that
+    torch's schedule class computes for itself (built here on placeholder stages: no process group). A
+    forward keeps its stage's activations until its backward; schedules that split backward keep them
+    through the input-gradient pass until the weight-gradient pass (it needs them)."""
+    from torch.distributed.pipelining.schedules import _ComputationType as C, get_schedule_class
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    class _Placeholder(_PipelineStageBase):  # what a schedule reads while computing its order
+        def _create_grad_recv_info(self, *args, **kwargs): ...
+        def _prepare_backward_infra(self, *args, **kwargs): ...
+        def _prepare_forward_infra(self, *args, **kwargs): ...
+
+    n = pp * stages_per_rank
+    v_shaped = schedule in ("ZBVZeroBubble", "DualPipeV")
+    stages = []
+    for i in ([0, n - 1] if v_shaped else range(0, n, pp)):
+        stage = object.__new__(_Placeholder)
+        stage.__dict__.update(stage_index=i, num_stages=n, group_size=pp, group_rank=0, is_first=i == 0,
+                              is_last=i == n - 1, submod=None)
+        stages.append(stage)
+    order = get_schedule_class(schedule)(stages, n_microbatches=n_microbatches, loss_fn=lambda *a: 0,
+                                         scale_grads=False).pipeline_order
+    change = {C.FORWARD: 1, C.FULL_BACKWARD: -1, C.BACKWARD_INPUT: 0, C.BACKWARD_WEIGHT: -1}
+    peaks = []
+    for rank in range(pp):
+        alive = peak = 0
+        for action in order[rank]:
+            if action is None:
+                continue
+            for sub in getattr(action, "sub_actions", None) or (action,):  # DualPipeV's overlapped F and B
+                alive += change.get(sub.computation_type, 0)
+                peak = max(peak, alive)
+        peaks.append(peak)
+    return tuple(peaks)
 
 
 def pp_recv_buffer_count(n_microbatches: int, stages_per_rank: int, holds_first: bool, holds_last: bool) -> int:
