@@ -43,6 +43,14 @@ RUNS = {  # name: (world, extra args)
                                          "--parallelism.pipeline_parallel_microbatch_size", "1"])
        for s in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
                  "DualPipeV")},
+    # The split-backward schedules with full AC: the input pass recomputes, and what it recomputed waits for
+    # the weight pass.
+    **{f"PP 2 {s}, 8 microbatches, AC full": (2, ["--parallelism.pipeline_parallel_degree", "2",
+                                                  "--parallelism.pipeline_parallel_schedule", s,
+                                                  "--training.local_batch_size", "8",
+                                                  "--parallelism.pipeline_parallel_microbatch_size", "1",
+                                                  "--activation_checkpoint.mode", "full"])
+       for s in ("1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")},
 }
 COMMON = [
     "--model.flavor", "debugmodel", "--training.seq_len", "512", "--training.local_batch_size", "4",
@@ -100,15 +108,16 @@ def _measure(rank, world, argv, folder):
         buffers = sum(b.numel() * b.element_size() for m in trainer.model_parts for b in m.buffers())
         parts = trainer.model_parts
         pd = trainer.parallel_dims
+        shape = ModelShape.from_args(trainer.model_args)
         work = rank_work(
-            cfg, pd, trainer.grad_accum, blocks=sum(len(m.layers) for m in parts),
+            cfg, pd, trainer.grad_accum, blocks=sum(len(m.layers) for m in parts), shape=shape,
             holds_embedding=any(getattr(m, "tok_embeddings", None) is not None for m in parts),
             holds_output=any(getattr(m, "output", None) is not None for m in parts),
             pp_rank=pd.coordinate("pp")[0], stages_per_rank=len(parts),
             fsdp_shard_params=sum(_local_numel(p) for m in parts for p in m.parameters() if p.requires_grad),
         )
         state = StateBytes(params=s["params"], grads=s["params"], optimizer=s["optimizer"], buffers=buffers)
-        estimate = estimate_memory(ModelShape.from_args(trainer.model_args), state, work)
+        estimate = estimate_memory(shape, state, work)
         return baseline + peak, estimate
     finally:
         trainer.close()

@@ -69,3 +69,18 @@ def test_split_backward_schedules_keep_activations_until_the_weight_pass():
     assert _peak_stage_activations("ZBVZeroBubble", 8, 2, 2) == (4, 4)
     assert _peak_stage_activations("DualPipeV", 8, 2, 2) == (5, 5)
     assert in_flight_microbatches("ZBVZeroBubble", 8, 2, 0, 2) == 2.0
+
+
+def test_a_stage_waiting_for_its_weight_pass_holds_its_output_gradients_too():
+    """InterleavedZeroBubble's rank 1 runs 1F0 1F1 3F0 3I0 3F1 3I1: 4 stage activations alive, 2 of them
+    past their input pass and holding the gradients of their linears' outputs for the weight pass."""
+    from torchtitan.planning.memory import _peak_stage_activations, split_backward_pending_weight
+
+    assert _peak_stage_activations("InterleavedZeroBubble", 8, 2, 2, 0.5)[1] == 4 + 2 * 0.5
+    s = ModelShape.from_args(llama3_flavors["debugmodel"])
+    grads = 3 * s.dim + 2 * s.kv_dim + 2 * s.hidden  # q, attention out, w2 out; k, v; w1, w3
+    assert split_backward_pending_weight(s, "none") == pytest.approx(grads / block_elems_per_token(s, "none"))
+    # under full AC the input pass also recomputes the block's activations, which then wait as well
+    full = block_elems_per_token(s, "full")
+    assert split_backward_pending_weight(s, "full") == pytest.approx(
+        (block_elems_per_token(s, "none") - full + grads) / full)

@@ -178,7 +178,7 @@ def rank_report(
             cfg, plan.parallel_dims, plan.grad_accum,
             blocks=sum(len(p.layers) for p in parts),
             holds_embedding=any(getattr(p, "tok_embeddings", None) is not None for p in parts),
-            holds_output=any(getattr(p, "output", None) is not None for p in parts),
+            holds_output=any(getattr(p, "output", None) is not None for p in parts), shape=shape,
             pp_rank=pp_rank, stages_per_rank=max(1, len(stages)), on_gpu=on_gpu,
             fsdp_shard_params=sum(_local(p).numel() for p in trainable),
         )

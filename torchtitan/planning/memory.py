@@ -196,14 +196,16 @@ def ac_key(ac_cfg) -> str:
     return ac_cfg.mode
 
 
-def in_flight_microbatches(schedule: str, n_microbatches: int, pp: int, pp_rank: int, stages_per_rank: int) -> float:
+def in_flight_microbatches(schedule: str, n_microbatches: int, pp: int, pp_rank: int, stages_per_rank: int,
+                           pending_weight: float = 0.0) -> float:
     """The most (stage, microbatch) activations a pp rank keeps at once, in units of one microbatch through
     all its stages (the estimator multiplies by the blocks of all local stages). GPipe and LoopedBFS run
     every forward before any backward: all microbatches. 1F1B keeps its pp - rank warm-up forwards;
     Interleaved1F1B its warm-up, (v - 1) x pp + 2 x (pp - 1 - rank) + 1 single-stage forwards (torch's
     formula; the planner evaluates thousands of these, and a test checks it against the played order).
     The split-backward and V-shaped schedules are played from torch's own action order
-    (`_peak_stage_activations`)."""
+    (`_peak_stage_activations`); `pending_weight` is what a stage waiting for its weight pass holds beyond
+    its activations, in units of them (`split_backward_pending_weight`)."""
     v = stages_per_rank
     if schedule in ("GPipe", "LoopedBFS"):
         return n_microbatches
@@ -211,15 +213,29 @@ def in_flight_microbatches(schedule: str, n_microbatches: int, pp: int, pp_rank:
         return min(n_microbatches, pp - pp_rank)
     if schedule == "Interleaved1F1B":
         return min(v * n_microbatches, (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1) / v
-    return _peak_stage_activations(schedule, n_microbatches, pp, v)[pp_rank] / v
+    return _peak_stage_activations(schedule, n_microbatches, pp, v, round(pending_weight, 3))[pp_rank] / v
+
+
+def split_backward_pending_weight(shape: ModelShape, ac: str, tp: int = 1) -> float:
+    """Between a split backward's input pass and its weight pass a stage keeps, besides its activations
+    (recomputed ones included: the input pass recomputes under AC), the gradients of its linears' outputs,
+    which the weight pass multiplies: q, the attention output and w2's output (D each), k and v (KV each),
+    w1 and w3 (H each). Returned in units of the activations the AC mode keeps."""
+    kept = block_elems_per_token(shape, ac, tp)
+    recomputed = block_elems_per_token(shape, "none", tp) - kept
+    grads = (3 * shape.dim + 2 * shape.kv_dim + 2 * shape.hidden) / tp
+    return (recomputed + grads) / kept
 
 
 @functools.lru_cache(maxsize=256)
-def _peak_stage_activations(schedule: str, n_microbatches: int, pp: int, stages_per_rank: int) -> tuple[int, ...]:
-    """Per pp rank, the peak count of (stage, microbatch) activations alive, walking the action order that
+def _peak_stage_activations(
+    schedule: str, n_microbatches: int, pp: int, stages_per_rank: int, pending_weight: float = 0.0
+) -> tuple[float, ...]:
+    """Per pp rank, the peak of (stage, microbatch) activations alive, walking the action order that
     torch's schedule class computes for itself (built here on placeholder stages: no process group). A
     forward keeps its stage's activations until its backward; schedules that split backward keep them
-    through the input-gradient pass until the weight-gradient pass (it needs them)."""
+    through the input-gradient pass until the weight-gradient pass (it needs them), and a stage between the
+    two passes counts 1 + pending_weight."""
     from torch.distributed.pipelining.schedules import _ComputationType as C, get_schedule_class
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
@@ -238,16 +254,18 @@ def _peak_stage_activations(schedule: str, n_microbatches: int, pp: int, stages_
         stages.append(stage)
     order = get_schedule_class(schedule)(stages, n_microbatches=n_microbatches, loss_fn=lambda *a: 0,
                                          scale_grads=False).pipeline_order
-    change = {C.FORWARD: 1, C.FULL_BACKWARD: -1, C.BACKWARD_INPUT: 0, C.BACKWARD_WEIGHT: -1}
+    change = {C.FORWARD: (1, 0), C.FULL_BACKWARD: (-1, 0), C.BACKWARD_INPUT: (0, 1), C.BACKWARD_WEIGHT: (-1, -1)}
     peaks = []
     for rank in range(pp):
-        alive = peak = 0
+        alive = pending = 0
+        peak = 0.0
         for action in order[rank]:
             if action is None:
                 continue
             for sub in getattr(action, "sub_actions", None) or (action,):  # DualPipeV's overlapped F and B
-                alive += change.get(sub.computation_type, 0)
-                peak = max(peak, alive)
+                d_alive, d_pending = change.get(sub.computation_type, (0, 0))
+                alive, pending = alive + d_alive, pending + d_pending
+                peak = max(peak, alive + pending_weight * pending)
         peaks.append(peak)
     return tuple(peaks)
 
@@ -259,7 +277,8 @@ def pp_recv_buffer_count(n_microbatches: int, stages_per_rank: int, holds_first:
 
 
 def rank_work(cfg, parallel_dims, grad_accum: int, *, blocks: int, holds_embedding: bool, holds_output: bool,
-              pp_rank: int = 0, stages_per_rank: int = 1, on_gpu: bool = False, fsdp_shard_params: int = 0) -> RankWork:
+              shape: ModelShape, pp_rank: int = 0, stages_per_rank: int = 1, on_gpu: bool = False,
+              fsdp_shard_params: int = 0) -> RankWork:
     """RankWork of a job's rank from its config and layout (what the dry run knows about it);
     `fsdp_shard_params` = the rank's trainable parameter elements (its FSDP shard), for FSDP with
     several microbatches."""
@@ -273,8 +292,8 @@ def rank_work(cfg, parallel_dims, grad_accum: int, *, blocks: int, holds_embeddi
     if pd.pp_enabled:
         n_mb = t.local_batch_size // p.pipeline_parallel_microbatch_size
         tokens = p.pipeline_parallel_microbatch_size * t.seq_len
-        per_stage = in_flight_microbatches(p.pipeline_parallel_schedule, n_mb, pd.pp, pp_rank, stages_per_rank)
-        in_flight = per_stage
+        pending = split_backward_pending_weight(shape, ac_key(cfg.activation_checkpoint), pd.tp)
+        in_flight = in_flight_microbatches(p.pipeline_parallel_schedule, n_mb, pd.pp, pp_rank, stages_per_rank, pending)
         recv = pp_recv_buffer_count(n_mb, stages_per_rank, holds_embedding, holds_output)
         grads_live = n_mb > 1 or grad_accum > 1
     else:
