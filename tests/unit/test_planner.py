@@ -213,6 +213,8 @@ def test_planned_features_become_recipe_lines(tmp_path):
     assert cfg.model.converters == ["float8"] and cfg.float8.enable_fsdp_float8_all_gather
     assert cfg.parallelism.enable_async_tensor_parallel and cfg.compile.enable
     assert "async" not in Layout(1, 8, 1, 1, 1, "op", 2).toml(8192, 16, features)  # no TP, no async TP
+    assert "[compile]" in Layout(1, 8, 1, 1, 1, "op", 2).toml(8192, 16, Features(float8=True))
+    assert "[compile]" not in Layout(1, 8, 1, 1, 1, "op", 2).toml(8192, 16, Features(async_tp=True))
 
 
 def test_cli_refuses_float8_all_gather_without_float8(capsys):

@@ -59,14 +59,15 @@ class Features:
             raise ValueError("float8 all-gather needs Float8 linears: add --float8 (the planner's flag)")
 
     def toml(self, tp: int) -> str:
-        """Recipe lines for these features; async TP only where there is TP."""
+        """Recipe lines for these features; async TP only where there is TP. Compile comes with both: async
+        TP is done by the compiler, and Float8's speedup (FLOAT8_LINEAR_SPEEDUP) was measured compiled."""
         sections = []
         if self.float8:
             sections.append('[model]\nconverters = ["float8"]')
             if self.float8_all_gather:
                 sections.append("[float8]\nenable_fsdp_float8_all_gather = true\n"
                                 "precompute_float8_dynamic_scale_for_fsdp = true")
-        if self.async_tp and tp > 1:
+        if self.float8 or (self.async_tp and tp > 1):
             sections.append('[compile]\nenable = true\ncomponents = ["model", "loss"]')
         return "\n\n".join(sections)
 

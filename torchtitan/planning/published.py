@@ -13,6 +13,7 @@ from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.planning.hardware import FLAT_NETWORK, LLAMA3_RDMA_CLUSTER, Network, get_device
 from torchtitan.planning.memory import ModelShape
 from torchtitan.planning.planner import (
+    MODEL_PARALLEL,
     Candidate,
     Features,
     Layout,
@@ -24,9 +25,9 @@ from torchtitan.planning.planner import (
 
 TIE = 0.05
 """Layouts whose predicted step times differ by less than this fraction are a tie: below what the model
-resolves. What it leaves out (torch.compile, Float8, async TP, NCCL kernels taking SMs from overlapped
-compute, a power cap) each moves a layout's throughput by 5-30% (docs/planning.md), and its predicted /
-published throughput ratios spread from 0.7 to 1.5."""
+resolves. Where its relative predictions hold, they are within 3% of published pairs (RATIOS); what it
+leaves out (NCCL kernels taking SMs from overlapped compute, compile's fusions beyond a uniform speedup, a
+power cap, the memory compile and Float8 change) moves layouts by more than that."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +55,7 @@ class Published:
 
     @property
     def model_parallel(self) -> frozenset[str]:
-        return frozenset(n for n in ("tp", "pp", "cp") if getattr(self, n) > 1)
+        return frozenset(n for n in MODEL_PARALLEL if getattr(self, n) > 1)
 
     def matches(self, c: Candidate) -> bool:
         """The published degrees (FSDP or HSDP for the data-parallel part, any AC, batch split, schedule)."""
