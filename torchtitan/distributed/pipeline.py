@@ -381,6 +381,16 @@ def check_pipeline(plan: PipelinePlan, parallel_dims, job_config) -> None:
             f"--validation.local_batch_size {v.local_batch_size} must be a multiple of the {plan.n_microbatches} "
             f"pipeline microbatches (validation runs through the same schedule)"
         )
+    ac = job_config.activation_checkpoint
+    if plan.schedule in SPLIT_BACKWARD and ac.mode == "selective" and ac.selective_ac_option == "op":
+        # Measured (torch 2.13): "Trying to backward an extra time. You are only allowed to backward once on
+        # any region computed under selective activation checkpoint", mid-step.
+        raise LayoutError(
+            f"{plan.schedule} cannot run with selective op activation checkpointing (its weight-gradient pass is "
+            f"a second backward over regions that op-selective AC lets run backward once); use "
+            f"--activation_checkpoint.mode full or none, selective_ac_option k (every k-th block), or a schedule "
+            f"without split backward (1F1B, Interleaved1F1B)"
+        )
     if (
         plan.schedule in SPLIT_BACKWARD
         and parallel_dims.fsdp_enabled
