@@ -44,7 +44,7 @@ RUNS = {  # name: (world, extra args)
        for s in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
                  "DualPipeV")},
     # The split-backward schedules with full AC: the input pass recomputes, and what it recomputed waits for
-    # the weight pass.
+    # the weight pass. (With op-selective AC they cannot run: plan_job refuses it.)
     **{f"PP 2 {s}, 8 microbatches, AC full": (2, ["--parallelism.pipeline_parallel_degree", "2",
                                                   "--parallelism.pipeline_parallel_schedule", s,
                                                   "--training.local_batch_size", "8",

@@ -30,6 +30,7 @@ import functools
 
 import torch
 
+from torchtitan.planning.schedule_order import B, F, I, W, passes, schedule_order
 from torchtitan.tools.precision import DTYPE_NAMES, resolve_precision
 
 RUNTIME_BYTES_GPU = 2 * 2**30
@@ -232,37 +233,18 @@ def _peak_stage_activations(
     schedule: str, n_microbatches: int, pp: int, stages_per_rank: int, pending_weight: float = 0.0
 ) -> tuple[float, ...]:
     """Per pp rank, the peak of (stage, microbatch) activations alive, walking the action order that
-    torch's schedule class computes for itself (built here on placeholder stages: no process group). A
+    torch's schedule class computes for itself (planning.schedule_order). A
     forward keeps its stage's activations until its backward; schedules that split backward keep them
     through the input-gradient pass until the weight-gradient pass (it needs them), and a stage between the
     two passes counts 1 + pending_weight."""
-    from torch.distributed.pipelining.schedules import _ComputationType as C, get_schedule_class
-    from torch.distributed.pipelining.stage import _PipelineStageBase
-
-    class _Placeholder(_PipelineStageBase):  # what a schedule reads while computing its order
-        def _create_grad_recv_info(self, *args, **kwargs): ...
-        def _prepare_backward_infra(self, *args, **kwargs): ...
-        def _prepare_forward_infra(self, *args, **kwargs): ...
-
-    n = pp * stages_per_rank
-    v_shaped = schedule in ("ZBVZeroBubble", "DualPipeV")
-    stages = []
-    for i in ([0, n - 1] if v_shaped else range(0, n, pp)):
-        stage = object.__new__(_Placeholder)
-        stage.__dict__.update(stage_index=i, num_stages=n, group_size=pp, group_rank=0, is_first=i == 0,
-                              is_last=i == n - 1, submod=None)
-        stages.append(stage)
-    order = get_schedule_class(schedule)(stages, n_microbatches=n_microbatches, loss_fn=lambda *a: 0,
-                                         scale_grads=False).pipeline_order
-    change = {C.FORWARD: (1, 0), C.FULL_BACKWARD: (-1, 0), C.BACKWARD_INPUT: (0, 1), C.BACKWARD_WEIGHT: (-1, -1)}
+    order = schedule_order(schedule, n_microbatches, pp, stages_per_rank)
+    change = {F: (1, 0), B: (-1, 0), I: (0, 1), W: (-1, -1)}
     peaks = []
     for rank in range(pp):
         alive = pending = 0
         peak = 0.0
         for action in order[rank]:
-            if action is None:
-                continue
-            for sub in getattr(action, "sub_actions", None) or (action,):  # DualPipeV's overlapped F and B
+            for sub in passes(action):  # DualPipeV's overlapped forward and backward: both
                 d_alive, d_pending = change.get(sub.computation_type, (0, 0))
                 alive, pending = alive + d_alive, pending + d_pending
                 peak = max(peak, alive + pending_weight * pending)

@@ -22,7 +22,9 @@ from torchtitan.planning.memory import (
     estimate_memory,
     in_flight_microbatches,
     pp_recv_buffer_count,
+    split_backward_pending_weight,
 )
+from torchtitan.planning.schedule_order import bubble_fraction
 from torchtitan.planning.step_time import (
     ASYNC_TP_HIDDEN,
     DEFAULT_MFU,
@@ -35,7 +37,11 @@ from torchtitan.planning.step_time import (
 
 AC_MODES = ("none", "op", "full")
 MODEL_PARALLEL = ("tp", "pp", "cp")
-SCHEDULES = ("1F1B", "Interleaved1F1B")
+SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+"""The schedules the planner weighs. GPipe and LoopedBFS have 1F1B's and Interleaved1F1B's bubbles with all
+microbatches in flight (never better); DualPipeV overlaps the all-to-all of expert parallelism, which the
+planner's dense models do not have."""
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble")
 STATE_BYTES_PER_PARAM = 16
 """fp32 parameter + fp32 gradient + AdamW's two fp32 moments (training.dtype float32, bf16 compute)."""
 ACT_BYTES = 2
@@ -209,9 +215,12 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
         # Memory is judged on the first rank (most microbatches in flight), the last (the output and loss)
         # and the one with the most block activations in flight (rank 1 when rank 0's first stage is only
         # the embedding).
+        pending = split_backward_pending_weight(shape, L.ac, L.tp)
+
         def in_flight_blocks(r: int) -> float:
             blocks = sum(n.startswith("layers.") for st in all_ranks[r] for n in st)
-            return blocks * in_flight_microbatches(L.schedule, plan.n_microbatches, L.pp, r, len(all_ranks[r]))
+            return blocks * in_flight_microbatches(L.schedule, plan.n_microbatches, L.pp, r, len(all_ranks[r]),
+                                                   pending)
 
         heaviest = max(range(L.pp), key=in_flight_blocks)
         per_rank_stages = {r: all_ranks[r] for r in (0, heaviest, L.pp - 1)}
@@ -236,7 +245,7 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
             tokens_per_microbatch=(L.microbatch_size if L.pp > 1 else L.local_batch_size) * seq_len,
             blocks=sum(n.startswith("layers.") for n in names),
             holds_embedding="tok_embeddings" in names, holds_output="output" in names,
-            in_flight=in_flight_microbatches(L.schedule, n_mb, L.pp, r, len(stages)) if L.pp > 1 else 1,
+            in_flight=in_flight_microbatches(L.schedule, n_mb, L.pp, r, len(stages), pending) if L.pp > 1 else 1,
             grads_live=n_mb > 1, tp=L.tp, cp=L.cp, fsdp=fsdp, ac=L.ac, act_bytes=ACT_BYTES,
             gathered_param_bytes=1 if features.float8_all_gather else ACT_BYTES, on_gpu=True,
             unsharded_grad_params=int(stage_params / L.tp) if fsdp > 1 and n_mb > 1 else 0,
@@ -319,7 +328,11 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
     bubble = 0.0
     if L.pp > 1:
         v = plan.stages_per_rank
-        bubble = (L.pp - 1) / (v * n_mb)
+        if v == 1 or L.schedule == "Interleaved1F1B":  # the closed forms (a test checks the second)
+            bubble = (L.pp - 1) / (v * n_mb)
+        else:  # torch's own order played with a stage's forward, input-gradient and weight-gradient times
+            recompute = 1.0 if L.ac == "full" else 0.0
+            bubble = bubble_fraction(L.schedule, n_mb, L.pp, v, 1.0, 1.0 + recompute, 1.0)
         act = tokens_mb * shape.dim * ACT_BYTES / L.tp  # sequence-parallel activations under TP
         exposed["PP send/recv"] = 2 * v * n_mb * collective_time(device, 2, 2 * act, 2 * devices // L.pp, network)
     t = StepTime(compute, exposed, bubble)
@@ -355,10 +368,14 @@ def enumerate_layouts(shape: ModelShape, devices: int, seq_len: int, global_batc
                                 yield Layout(dp_replicate, dp_shard, cp, tp, pp, ac, lbs, 1, "", per_replica // lbs)
                         else:
                             for schedule in SCHEDULES:
-                                # Interleaved: 2 stages per rank by default, or more (smaller bubble, more sends).
+                                if schedule in SPLIT_BACKWARD and ac != "none":
+                                    continue  # op AC cannot run with them; full AC's memory is not modelled
+                                # Looped: 2 stages per rank by default, or more (smaller bubble, more sends);
+                                # V-shaped: 2.
+                                looped = schedule in ("Interleaved1F1B", "InterleavedZeroBubble")
                                 per_stage = [None] + ([u for u in (1, 2, 4) if (shape.n_layers + 2) % (u * pp) == 0
                                                        and (shape.n_layers + 2) // (u * pp) > 2]
-                                                      if schedule != "1F1B" else [])
+                                                      if looped else [])
                                 for lps in per_stage:
                                     for mbs in _divisors(per_replica):
                                         yield Layout(dp_replicate, dp_shard, cp, tp, pp, ac, per_replica, mbs, schedule,
