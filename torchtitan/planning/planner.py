@@ -48,6 +48,11 @@ ACT_BYTES = 2
 """bf16 activations and gathered parameters (mixed_precision_param bfloat16)."""
 
 
+def model_parallel_dims(degrees) -> frozenset[str]:
+    """The model-parallel dimensions (MODEL_PARALLEL) that an object with tp, pp, cp degrees uses (> 1)."""
+    return frozenset(n for n in MODEL_PARALLEL if getattr(degrees, n) > 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Features:
     """Training features the user has chosen (the planner does not choose them); they change what each
@@ -118,8 +123,7 @@ class Layout:
 
     @property
     def model_parallel(self) -> frozenset[str]:
-        """The model-parallel dimensions this layout uses (degree > 1)."""
-        return frozenset(n for n in MODEL_PARALLEL if getattr(self, n) > 1)
+        return model_parallel_dims(self)
 
     def describe(self) -> str:
         parts = [f"{n} {v}" for n, v in (("pp", self.pp), ("dp_replicate", self.dp_replicate),
@@ -287,21 +291,21 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
             ar_span = L.dp_replicate * fsdp * L.tp
             ar = 2 * collective_time(device, L.dp_replicate, shard, ar_span, network)
         shared = L.dp_replicate == 1 or link(device, span) == link(device, L.dp_replicate * span)
-        reduction = units * rs + ar if shared else max(units * rs, ar)
+
+        def with_all_reduce(fsdp_traffic: float) -> float:
+            """Time of the FSDP group's traffic and HSDP's all-reduce: added on one link, overlapped on two."""
+            return fsdp_traffic + ar if shared else max(fsdp_traffic, ar)
+
         mb_compute = compute / n_mb  # one microbatch through all of this rank's stages
         fwd = mb_compute / (3 * _ac_factor(L.ac))
         bwd = mb_compute - fwd
+        gathers = units * ag
         if L.pp > 1:
             v = plan.stages_per_rank
-            hidden_late = max(0.0, units * ag - fwd) + max(0.0, reduction - bwd) / v
-        else:
-            gathers = units * ag
-            if not shared:
-                reduction = max(units * (ag + rs), ar)  # the backward's gathers share the reduce-scatter's link
-            else:
-                reduction += gathers
+            hidden_late = max(0.0, gathers - fwd) + max(0.0, with_all_reduce(units * rs) - bwd) / v
+        else:  # the last backward's gathers ride the reduce-scatter's link
             hidden_late = (n_mb * max(0.0, gathers - fwd) + (n_mb - 1) * max(0.0, gathers - bwd)
-                           + max(0.0, reduction - bwd))
+                           + max(0.0, with_all_reduce(gathers + units * rs) - bwd))
         exposed["FSDP/HSDP"] = hidden_late + ag + rs
     tokens_mb = (L.microbatch_size if L.pp > 1 else L.local_batch_size) * seq_len / L.cp
     passes = n_mb if L.pp > 1 else L.grad_accum
@@ -387,11 +391,15 @@ def parse_model_parallel(text: str | None) -> frozenset[str] | None:
     if text is None:
         return None
     names = frozenset(n.strip() for n in text.split(",") if n.strip() and n.strip() != "none")
+    _check_model_parallel(names)
+    return names
+
+
+def _check_model_parallel(names: frozenset[str]) -> None:
     unknown = sorted(names - set(MODEL_PARALLEL))
     if unknown:
         raise ValueError(f"--parallelisms: unknown {', '.join(unknown)}; choose from {','.join(MODEL_PARALLEL)} or "
                          f"none (data parallel takes the remaining devices)")
-    return names
 
 
 def plan_layouts(shape: ModelShape, device: Device, devices: int, seq_len: int, global_batch_size: int,
@@ -402,7 +410,7 @@ def plan_layouts(shape: ModelShape, device: Device, devices: int, seq_len: int, 
     use exactly these model-parallel dimensions (a subset of MODEL_PARALLEL; data parallel takes the rest);
     None keeps all."""
     if model_parallel is not None:
-        parse_model_parallel(",".join(model_parallel) or "none")  # raises on an unknown name
+        _check_model_parallel(model_parallel)
     ranked, dropped = [], {"does not divide / invalid pipeline": 0, "does not fit memory": 0}
     for layout in enumerate_layouts(shape, devices, seq_len, global_batch_size, device.gpus_per_node, cp_min_seq_len):
         if model_parallel is not None and layout.model_parallel != model_parallel:

@@ -13,13 +13,13 @@ from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.planning.hardware import FLAT_NETWORK, LLAMA3_RDMA_CLUSTER, Network, get_device
 from torchtitan.planning.memory import ModelShape
 from torchtitan.planning.planner import (
-    MODEL_PARALLEL,
     Candidate,
     Features,
     Layout,
     PlanResult,
     evaluate,
     flops_per_token,
+    model_parallel_dims,
     plan_layouts,
 )
 
@@ -55,7 +55,7 @@ class Published:
 
     @property
     def model_parallel(self) -> frozenset[str]:
-        return frozenset(n for n in MODEL_PARALLEL if getattr(self, n) > 1)
+        return model_parallel_dims(self)
 
     def matches(self, c: Candidate) -> bool:
         """The published degrees (FSDP or HSDP for the data-parallel part, any AC, batch split, schedule)."""
