@@ -1,7 +1,7 @@
 """Layout planner: which parallel layout, AC mode and batch split to train a model with on N devices.
 
     python -m torchtitan.plan --model llama3 --flavor 8B --devices 8 --device-type H100-80GB \
-        --seq-len 8192 --global-batch-size 16 [--top 3] [--mfu 0.5] [--float8 [--float8-all-gather]] [--async-tp]
+        --seq-len 8192 --global-batch-size 16 [--top 3] [--mfu 0.5] [--memory-headroom 0.1] [--float8 [--float8-all-gather]] [--async-tp]
 
 Prints the fastest layouts that fit, each with its predicted throughput, where the time goes, its peak
 memory, and the TOML to paste into a recipe. See docs/planning.md for the model and its assumptions.
@@ -25,6 +25,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--parallelisms", default=None,
                     help="use exactly these model-parallel dimensions, comma-separated from tp,pp,cp (data parallel "
                          "over the rest); 'none' = data parallel only; default: any")
+    ap.add_argument("--memory-headroom", type=float, default=0.0,
+                    help="fraction of the device's memory a layout must leave free, e.g. 0.1 for room the estimator "
+                         "does not model on your device (see scripts/gpu/check_memory_estimate.py); default 0")
     ap.add_argument("--float8", action="store_true", help="train with tensorwise Float8 linears")
     ap.add_argument("--float8-all-gather", action="store_true", help="FSDP all-gathers Float8 weights in float8")
     ap.add_argument("--async-tp", action="store_true", help="train with async tensor parallel (needs compile)")
@@ -34,7 +37,7 @@ def main(argv: list[str]) -> int:
     from torchtitan.errors import USER_ERRORS
     from torchtitan.planning.hardware import get_device
     from torchtitan.planning.memory import ModelShape
-    from torchtitan.planning.planner import Features, explain, parse_model_parallel, plan_layouts
+    from torchtitan.planning.planner import Features, explain, memory_limit, parse_model_parallel, plan_layouts
     from torchtitan.planning.step_time import DEFAULT_MFU
     from torchtitan.protocols.train_spec import get_flavor, get_train_spec
 
@@ -53,16 +56,21 @@ def main(argv: list[str]) -> int:
             raise ValueError("--devices, --seq-len and --global-batch-size must be positive")
         model_parallel = parse_model_parallel(a.parallelisms)
         features = Features(float8=a.float8, float8_all_gather=a.float8_all_gather, async_tp=a.async_tp)
+        memory_limit(device, a.memory_headroom)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result = plan_layouts(shape, device, a.devices, a.seq_len, a.global_batch_size,
-                          a.mfu or DEFAULT_MFU, features=features, model_parallel=model_parallel)
+                          a.mfu or DEFAULT_MFU, features=features, model_parallel=model_parallel,
+                          memory_headroom=a.memory_headroom)
     dropped = ", ".join(f"{n} {why}" for why, n in result.dropped.items())
     print(f"{a.model} {a.flavor} on {a.devices} x {device.name}, seq {a.seq_len}, global batch "
-          f"{a.global_batch_size}: {len(result.ranked)} layouts fit ({dropped})\n")
+          f"{a.global_batch_size}: {len(result.ranked)} layouts fit"
+          f"{f' within {memory_limit(device, a.memory_headroom) / 2**30:.1f} GiB ({100 * a.memory_headroom:.0f}% of memory kept free)' if a.memory_headroom else ''}"
+          f" ({dropped})\n")
     if not result.ranked:
-        print("error: no layout fits; add devices, shorten --seq-len or lower --global-batch-size", file=sys.stderr)
+        print("error: no layout fits; add devices, shorten --seq-len or lower --global-batch-size"
+              + (" or --memory-headroom" if a.memory_headroom else ""), file=sys.stderr)
         return 1
     best = result.ranked[0].time.total
     for i, c in enumerate(result.ranked[: a.top], 1):

@@ -28,6 +28,13 @@ RUNS = {  # name: (world, extra args)
     "1 rank, AC none": (1, []),
     "1 rank, AC full": (1, ["--activation_checkpoint.mode", "full"]),
     "1 rank, AC selective op": (1, ["--activation_checkpoint.mode", "selective"]),
+    # Compile and Float8, which the estimator does not model (the planner's recipes turn compile on with
+    # Float8 and async TP): how far off it is with them, on CPU (Float8 emulated: torchao's casts, fp32 GEMMs).
+    **{f"1 rank, AC {name}, compile": (1, ["--activation_checkpoint.mode", m, "--compile.enable"])
+       for m, name in (("none", "none"), ("selective", "selective op"), ("full", "full"))},
+    "1 rank, AC none, Float8 emulated": (1, ["--model.converters", "float8", "--float8.emulate"]),
+    "1 rank, AC none, Float8 emulated, compile": (1, ["--model.converters", "float8", "--float8.emulate",
+                                                      "--compile.enable"]),
     "FSDP 2, AC none": (2, []),
     "FSDP 2, AC full": (2, ["--activation_checkpoint.mode", "full"]),
     "TP 2, AC none": (2, ["--parallelism.tensor_parallel_degree", "2"]),

@@ -11,7 +11,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from torchtitan.planning.published import PUBLISHED, RATIOS, TIE, compare  # noqa: E402
+from torchtitan.planning.published import MEMORY, PUBLISHED, RATIOS, TIE, compare  # noqa: E402
+
+
+HEADROOMS = (0.0, 0.1, 0.2, 0.3)
 
 
 def main() -> None:
@@ -45,6 +48,26 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for pair in RATIOS:
         print(f"| {pair.name} | x{pair.published:.3f} | x{pair.predicted():.3f} | {pair.role} | {pair.source} |")
+    print("\nThe estimator against published GPU memory (max reserved per GPU; not fitted):\n")
+    print("| run | measured GiB | estimated GiB | estimate / measured | source |")
+    print("|---|---|---|---|---|")
+    for m in MEMORY:
+        est = m.estimate_gib()
+        print(f"| {m.name} | {m.measured_gib:.1f} | {est:.1f} | {est / m.measured_gib:.2f} | {m.source} |")
+    print("\nThe verdicts against the room left free (--memory-headroom): rank of the published degrees among all "
+          "layouts / among the layouts of the same parallelisms, gap to the first of each\n")
+    print("| case | " + " | ".join(f"headroom {100 * h:.0f}%" for h in HEADROOMS) + " |")
+    print("|---|" + "---|" * len(HEADROOMS))
+    for case in PUBLISHED:
+        cells = []
+        for h in HEADROOMS:
+            c = compare(case, h)
+            if c.rank is None:
+                cells.append("does not fit")
+                continue
+            r, g, _ = c.within
+            cells.append(f"{c.rank} (+{100 * c.gap:.1f}%) / {r} (+{100 * g:.1f}%)")
+        print(f"| {case.name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

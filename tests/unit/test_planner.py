@@ -233,3 +233,27 @@ def test_cli_keeps_the_parallelisms_asked_for(capsys):
     assert plan_main(args + ["--parallelisms", "tp,xp"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unknown xp" in err
+
+
+def test_memory_headroom_drops_exactly_the_layouts_above_the_lowered_limit(capsys):
+    """--memory-headroom h keeps a layout iff its estimated peak <= (1 - h) x the device's memory; the ones it
+    keeps are ranked as before."""
+    s, args = shape("8B"), (8, 8192, 16)
+    free = plan_layouts(s, H100, *args)
+    kept = plan_layouts(s, H100, *args, memory_headroom=0.2)
+    limit = 0.8 * H100.memory_bytes
+    assert 0 < len(kept.ranked) < len(free.ranked)
+    assert [c.layout for c in kept.ranked] == [c.layout for c in free.ranked if c.memory.peak <= limit]
+    assert kept.dropped["does not fit memory"] == free.dropped["does not fit memory"] + (
+        len(free.ranked) - len(kept.ranked))
+    over = next(c.layout for c in free.ranked if c.memory.peak > limit)
+    with pytest.raises(MemoryError, match="less 20% headroom"):
+        evaluate(s, over, H100, *args, memory_headroom=0.2)
+    cli = ["--flavor", "8B", "--devices", "8", "--seq-len", "8192", "--global-batch-size", "16"]
+    assert plan_main(cli + ["--memory-headroom", "0.2", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(kept.ranked)} layouts fit within 59.6 GiB (20% of memory kept free)" in out
+    assert kept.ranked[0].layout.describe() in out
+    assert plan_main(cli + ["--memory-headroom", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--memory-headroom must be a fraction in [0, 1)" in err

@@ -199,8 +199,9 @@ def _ac_factor(ac: str) -> float:
 
 def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, seq_len: int,
              global_batch_size: int, mfu: float = DEFAULT_MFU, network: Network = FLAT_NETWORK,
-             features: Features = Features()) -> Candidate:
-    """Memory and step time of one layout; raises LayoutError when the layout cannot run."""
+             features: Features = Features(), memory_headroom: float = 0.0) -> Candidate:
+    """Memory and step time of one layout; raises LayoutError when the layout cannot run and MemoryError
+    when its estimated peak exceeds the device's memory less `memory_headroom` (a fraction kept free)."""
     L = layout
     pd = ParallelDims(L.dp_replicate, L.dp_shard, L.cp, L.tp, L.pp, devices)
     head_dim = (shape.q_dim or shape.dim) // shape.n_heads
@@ -260,8 +261,10 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
         est = estimate_memory(shape, state, work)
         if worst is None or est.peak > worst.peak:
             worst = est
-    if worst.peak > device.memory_bytes:
-        raise MemoryError(f"{worst.peak / 2**30:.1f} GiB > {device.memory_bytes / 2**30:.0f} GiB")
+    limit = memory_limit(device, memory_headroom)
+    if worst.peak > limit:
+        kept = f" less {100 * memory_headroom:.0f}% headroom" if memory_headroom else ""
+        raise MemoryError(f"{worst.peak / 2**30:.1f} GiB > {limit / 2**30:.0f} GiB{kept}")
 
     # ---- step time ---------------------------------------------------------------------------------------
     per_replica_tokens = global_batch_size // pd.dp * seq_len
@@ -350,6 +353,14 @@ what CP costs (attention in 2 x cp small chunks, load-balancing reorders), and p
 for the 128K stage) does not use it."""
 
 
+def memory_limit(device: Device, memory_headroom: float = 0.0) -> float:
+    """Bytes a layout's estimated peak may reach: the device's memory less the fraction the user keeps free
+    (--memory-headroom: room for what the estimator does not model on that device)."""
+    if not 0.0 <= memory_headroom < 1.0:
+        raise ValueError(f"--memory-headroom must be a fraction in [0, 1), got {memory_headroom}")
+    return device.memory_bytes * (1.0 - memory_headroom)
+
+
 def enumerate_layouts(shape: ModelShape, devices: int, seq_len: int, global_batch_size: int, gpus_per_node: int,
                       cp_min_seq_len: int = CP_MIN_SEQ_LEN):
     """Every layout of `devices` ranks worth judging: tp within a node, powers of two for cp and pp,
@@ -405,19 +416,20 @@ def _check_model_parallel(names: frozenset[str]) -> None:
 def plan_layouts(shape: ModelShape, device: Device, devices: int, seq_len: int, global_batch_size: int,
                  mfu: float = DEFAULT_MFU, cp_min_seq_len: int = CP_MIN_SEQ_LEN,
                  network: Network = FLAT_NETWORK, features: Features = Features(),
-                 model_parallel: frozenset[str] | None = None) -> PlanResult:
+                 model_parallel: frozenset[str] | None = None, memory_headroom: float = 0.0) -> PlanResult:
     """Every layout enumerate_layouts yields, judged and ranked. `model_parallel` keeps only the layouts that
     use exactly these model-parallel dimensions (a subset of MODEL_PARALLEL; data parallel takes the rest);
-    None keeps all."""
+    None keeps all. `memory_headroom`: the fraction of the device's memory a layout must leave free."""
     if model_parallel is not None:
         _check_model_parallel(model_parallel)
+    memory_limit(device, memory_headroom)  # a bad fraction fails here, not as "nothing fits"
     ranked, dropped = [], {"does not divide / invalid pipeline": 0, "does not fit memory": 0}
     for layout in enumerate_layouts(shape, devices, seq_len, global_batch_size, device.gpus_per_node, cp_min_seq_len):
         if model_parallel is not None and layout.model_parallel != model_parallel:
             continue
         try:
             ranked.append(evaluate(shape, layout, device, devices, seq_len, global_batch_size, mfu, network,
-                                   features))
+                                   features, memory_headroom))
         except LayoutError:
             dropped["does not divide / invalid pipeline"] += 1
         except MemoryError:
