@@ -1,6 +1,6 @@
 """Memory estimator vs measured CUDA peak on one GPU, for each AC mode (run on a lent GPU machine).
 
-    python scripts/gpu/check_memory_estimate.py [--layers 4] [--seq-len 8192] [--batch 1]
+    python scripts/gpu/check_memory_estimate.py [--layers 4] [--seq-len 8192] [--batch 1] [--compile] [--float8]
 
 The model: Llama 3.1 8B's shape cut to --layers blocks (vocabulary 128256), fp32 parameters, bf16 autocast
 (the trainer's one-rank mixed precision), AdamW foreach. One warm-up step creates the optimizer state;
@@ -9,6 +9,11 @@ hold) and max_memory_reserved (what the caching allocator took from the driver).
 torchtitan/planning/memory.py with the real parameter/optimizer bytes, without (vs allocated) and with
 (vs reserved) its stated GPU allocator overhead; the CUDA context and NCCL constant are left out of both,
 since neither counter includes them.
+
+--compile and --float8 apply them the trainer's way (each block compiled after AC, the loss compiled;
+tensorwise Float8 linears, the output projection kept in bf16). The estimator models neither: these runs
+measure how far off it is with them, which is where it misses torchtitan's published GPU memory most
+(docs/planning.md; on CPU, scripts/planning/bench_memory.py measures the same for compile).
 """
 
 import argparse
@@ -36,25 +41,48 @@ MODES = {"none": ActivationCheckpoint(mode="none"), "op": ActivationCheckpoint(m
          "full": ActivationCheckpoint(mode="full")}
 
 
+def build(args, ac, device: torch.device, compile: bool, float8: bool):
+    """The model with AC, Float8 and compile applied in the trainer's order, and its loss function."""
+    with torch.device(device):
+        model = Transformer(args)
+    model.init_weights(buffer_device=device)
+    if float8:
+        from torchtitan.components.quantization.float8 import Float8Converter
+        from torchtitan.config.job_config import JobConfig
+        from torchtitan.distributed.parallel_dims import ParallelDims
+
+        job = JobConfig()
+        job.float8.emulate = device.type != "cuda"  # a CPU smoke run; on the GPU the real float8 GEMMs
+        Float8Converter(job, ParallelDims(1, 1, 1, 1, 1, 1), device).convert(model)
+    apply_ac(model, ac, model_compiled=compile)
+    loss_fn = cross_entropy_sum
+    if compile:
+        from torchtitan.distributed.compile import apply_compile, compile_loss
+
+        apply_compile(model)
+        loss_fn = compile_loss(cross_entropy_sum)
+    return model, loss_fn
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--compile", action="store_true", help="compile each block and the loss, as the trainer does")
+    ap.add_argument("--float8", action="store_true", help="tensorwise Float8 linears (H100-class GPU)")
     a = ap.parse_args()
     args = dataclasses.replace(llama3_flavors["8B"], n_layers=a.layers, max_seq_len=a.seq_len)
     shape = ModelShape.from_args(args)
     dev = torch.device("cuda")
+    features = "".join((", compile" if a.compile else "", ", Float8" if a.float8 else ""))
     print(f"{torch.cuda.get_device_name()}; 8B shape, {a.layers} layers, batch {a.batch} x seq {a.seq_len}, "
-          f"fp32 params, bf16 autocast\n")
+          f"fp32 params, bf16 autocast{features}\n")
     print("| AC | allocated GiB | estimate GiB | est/meas | reserved GiB | estimate+overhead GiB | est/meas |")
     print("|---|---|---|---|---|---|---|")
     for name, ac in MODES.items():
         torch.manual_seed(0)
-        with torch.device(dev):
-            model = Transformer(args)
-        model.init_weights(buffer_device=dev)
-        apply_ac(model, ac)
+        model, loss_fn = build(args, ac, dev, a.compile, a.float8)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         x = torch.randint(0, args.vocab_size, (a.batch, a.seq_len), device=dev)
         for step in range(2):
@@ -63,7 +91,7 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats()
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 logits = model(x)
-                loss = cross_entropy_sum(logits, x)
+                loss = loss_fn(logits, x)
             loss.backward()
             del logits, loss
             opt.step()
