@@ -28,6 +28,16 @@ RUNS = {  # name: (world, extra args)
     "1 rank, AC none": (1, []),
     "1 rank, AC full": (1, ["--activation_checkpoint.mode", "full"]),
     "1 rank, AC selective op": (1, ["--activation_checkpoint.mode", "selective"]),
+    # 405B's kind of layout in miniature: PP x FSDP (x TP) in bf16 with full AC, where the gathered stage and the
+    # unsharded fp32 gradients that FSDP accumulates over the microbatches weigh most.
+    **{f"PP 2 x FSDP 2{tp} {s}, 8 microbatches, AC full, bf16": (
+        4 * n, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+                "--parallelism.tensor_parallel_degree", str(n), "--parallelism.pipeline_parallel_schedule", s,
+                "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_microbatch_size", "1",
+                "--activation_checkpoint.mode", "full", "--training.mixed_precision_param", "bfloat16"])
+       for s in ("1F1B", "Interleaved1F1B") for n, tp in ((1, ""), (2, " x TP 2"))},
+    "FSDP 2, AC selective op, bf16": (2, ["--activation_checkpoint.mode", "selective",
+                                          "--training.mixed_precision_param", "bfloat16"]),
     # Compile and Float8, which the estimator does not model (the planner's recipes turn compile on with
     # Float8 and async TP): how far off it is with them, on CPU (Float8 emulated: torchao's casts, fp32 GEMMs).
     **{f"1 rank, AC {name}, compile": (1, ["--activation_checkpoint.mode", m, "--compile.enable"])
