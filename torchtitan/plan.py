@@ -35,9 +35,9 @@ def main(argv: list[str]) -> int:
     import dataclasses
 
     from torchtitan.errors import USER_ERRORS
-    from torchtitan.planning.hardware import get_device
+    from torchtitan.planning.hardware import get_device, memory_limit
     from torchtitan.planning.memory import ModelShape
-    from torchtitan.planning.planner import Features, explain, memory_limit, parse_model_parallel, plan_layouts
+    from torchtitan.planning.planner import Features, explain, parse_model_parallel, plan_layouts
     from torchtitan.planning.step_time import DEFAULT_MFU
     from torchtitan.protocols.train_spec import get_flavor, get_train_spec
 

@@ -107,3 +107,26 @@ def test_balanced_split_mode_builds_through_the_real_pipeline_function():
     # The output (2048 x 64) costs ~2.3 blocks of debugmodel_tiny4, so the last stage keeps one block only.
     assert [s.modules for r in report.ranks for s in r.stages] == [
         ("tok_embeddings", "layers.0-2"), ("layers.3", "norm", "output")]
+
+
+def test_a_rank_that_does_not_fit_the_device_is_an_error(capsys):
+    """--device-type judges each rank's estimate against the GPU's memory, less --memory-headroom."""
+    from torchtitan.planning.hardware import get_device
+
+    big = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "8192", "--training.local_batch_size", "64"]
+    h100 = get_device("H100-80GB")
+    report = dry_run(config_manager().parse_args(big), world_size=1, device=h100)
+    peak = report.ranks[0].memory.peak
+    assert report.errors == [] and 0.1 * h100.memory_bytes < peak < 0.5 * h100.memory_bytes
+    headroom = 1 - 0.9 * peak / h100.memory_bytes  # a limit 10% under the estimate
+    report = dry_run(config_manager().parse_args(big), world_size=1, device=h100, memory_headroom=headroom)
+    assert len(report.errors) == 1 and f"less {100 * headroom:.0f}% headroom" in report.errors[0]
+    assert dry_run_main(["--world-size", "1", "--device-type", "H100-80GB", "--memory-headroom", f"{headroom}",
+                         *big]) == 1
+    assert "exceeds the H100-80GB's" in capsys.readouterr().out
+    for bad, said in ((["--memory-headroom", "0.1"], "add --device-type"),
+                      (["--device-type", "H100-80GB", "--memory-headroom", "1"], "fraction in [0, 1)"),
+                      (["--device-type", "H100-80GB", "--memory-headroom", "lots"], "must be a number")):
+        assert dry_run_main(["--world-size", "1", *bad, *big]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, err

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.config import JobConfig
 from torchtitan.errors import USER_ERRORS
 from torchtitan.job_plan import JobPlan, plan_job
-from torchtitan.planning.hardware import Device
+from torchtitan.planning.hardware import Device, memory_limit
 from torchtitan.planning.memory import MemoryEstimate, ModelShape, StateBytes, estimate_memory, rank_work
 from torchtitan.protocols.train_spec import get_flavor, get_train_spec
 
@@ -204,11 +204,12 @@ def _one_line(e: BaseException) -> str:
 
 
 def dry_run(
-    cfg: JobConfig, world_size: int, ranks: Sequence[int] | None = None, device: Device | None = None
+    cfg: JobConfig, world_size: int, ranks: Sequence[int] | None = None, device: Device | None = None,
+    memory_headroom: float = 0.0,
 ) -> DryRunReport:
     """Judges the job for `world_size` ranks and builds the requested ranks (default: see default_ranks).
     With a target `device`, the memory estimate includes the GPU's allocator and runtime overheads and a
-    rank whose estimate exceeds its memory is an error.
+    rank whose estimate exceeds its memory, less `memory_headroom` (the planner's option), is an error.
     Every problem found becomes one line of `errors`; a tokenizer file that is missing is reported and the
     flavor's vocabulary used instead, so the layout is still checked."""
     start = time.perf_counter()
@@ -250,10 +251,11 @@ def dry_run(
                 parts, stages = build_model_parts(plan, cfg)
                 r = rank_report(rank, plan, cfg, parts, stages, on_gpu=device is not None)
                 report.ranks.append(r)
-                if device is not None and r.memory is not None and r.memory.peak > device.memory_bytes:
+                if device is not None and r.memory is not None and r.memory.peak > memory_limit(device, memory_headroom):
+                    kept = f" less {100 * memory_headroom:.0f}% headroom" if memory_headroom else ""
                     errors.append(
                         f"rank {rank}: estimated peak memory {r.memory.peak / 2**30:.1f} GiB exceeds the "
-                        f"{device.name}'s {device.memory_bytes / 2**30:.0f} GiB; shard more (FSDP/TP/PP), use "
+                        f"{device.name}'s {device.memory_bytes / 2**30:.0f} GiB{kept}; shard more (FSDP/TP/PP), use "
                         f"--activation_checkpoint.mode full or a smaller local batch"
                     )
         except USER_ERRORS as e:

@@ -51,6 +51,14 @@ def get_device(name: str) -> Device:
                      f"(add one to torchtitan/planning/hardware.py DEVICES)")
 
 
+def memory_limit(device: Device, memory_headroom: float = 0.0) -> float:
+    """Bytes a rank's estimated peak may reach: the device's memory less the fraction the user keeps free
+    (--memory-headroom: room for what the estimator does not model on that device)."""
+    if not 0.0 <= memory_headroom < 1.0:
+        raise ValueError(f"--memory-headroom must be a fraction in [0, 1), got {memory_headroom}")
+    return device.memory_bytes * (1.0 - memory_headroom)
+
+
 @dataclasses.dataclass(frozen=True)
 class Network:
     """How the nodes are connected: full bisection bandwidth within a pod of `pod_size` GPUs (0 = the whole

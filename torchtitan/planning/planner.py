@@ -13,7 +13,7 @@ import math
 from torchtitan.config.job_config import Parallelism
 from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims
 from torchtitan.distributed.pipeline import plan_pipeline
-from torchtitan.planning.hardware import FLAT_NETWORK, Device, Network
+from torchtitan.planning.hardware import FLAT_NETWORK, Device, Network, memory_limit
 from torchtitan.planning.memory import (
     MemoryEstimate,
     ModelShape,
@@ -351,14 +351,6 @@ CP_MIN_SEQ_LEN = 32768
 """Context parallel is only considered from this sequence length: below it the model does not capture
 what CP costs (attention in 2 x cp small chunks, load-balancing reorders), and practice (Llama 3: CP only
 for the 128K stage) does not use it."""
-
-
-def memory_limit(device: Device, memory_headroom: float = 0.0) -> float:
-    """Bytes a layout's estimated peak may reach: the device's memory less the fraction the user keeps free
-    (--memory-headroom: room for what the estimator does not model on that device)."""
-    if not 0.0 <= memory_headroom < 1.0:
-        raise ValueError(f"--memory-headroom must be a fraction in [0, 1), got {memory_headroom}")
-    return device.memory_bytes * (1.0 - memory_headroom)
 
 
 def enumerate_layouts(shape: ModelShape, devices: int, seq_len: int, global_batch_size: int, gpus_per_node: int,
