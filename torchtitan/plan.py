@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
             raise ValueError("--devices, --seq-len and --global-batch-size must be positive")
         model_parallel = parse_model_parallel(a.parallelisms)
         features = Features(float8=a.float8, float8_all_gather=a.float8_all_gather, async_tp=a.async_tp)
-        memory_limit(device, a.memory_headroom)
+        limit = memory_limit(device, a.memory_headroom)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -66,8 +66,8 @@ def main(argv: list[str]) -> int:
     dropped = ", ".join(f"{n} {why}" for why, n in result.dropped.items())
     print(f"{a.model} {a.flavor} on {a.devices} x {device.name}, seq {a.seq_len}, global batch "
           f"{a.global_batch_size}: {len(result.ranked)} layouts fit"
-          f"{f' within {memory_limit(device, a.memory_headroom) / 2**30:.1f} GiB ({100 * a.memory_headroom:.0f}% of memory kept free)' if a.memory_headroom else ''}"
-          f" ({dropped})\n")
+          + (f" within {limit / 2**30:.1f} GiB ({100 * a.memory_headroom:.0f}% of memory kept free)"
+             if a.memory_headroom else "") + f" ({dropped})\n")
     if not result.ranked:
         print("error: no layout fits; add devices, shorten --seq-len or lower --global-batch-size"
               + (" or --memory-headroom" if a.memory_headroom else ""), file=sys.stderr)

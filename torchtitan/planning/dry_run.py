@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.config import JobConfig
 from torchtitan.errors import USER_ERRORS
 from torchtitan.job_plan import JobPlan, plan_job
-from torchtitan.planning.hardware import Device, memory_limit
+from torchtitan.planning.hardware import Device, headroom_note, memory_limit
 from torchtitan.planning.memory import MemoryEstimate, ModelShape, StateBytes, estimate_memory, rank_work
 from torchtitan.protocols.train_spec import get_flavor, get_train_spec
 
@@ -252,10 +252,10 @@ def dry_run(
                 r = rank_report(rank, plan, cfg, parts, stages, on_gpu=device is not None)
                 report.ranks.append(r)
                 if device is not None and r.memory is not None and r.memory.peak > memory_limit(device, memory_headroom):
-                    kept = f" less {100 * memory_headroom:.0f}% headroom" if memory_headroom else ""
                     errors.append(
                         f"rank {rank}: estimated peak memory {r.memory.peak / 2**30:.1f} GiB exceeds the "
-                        f"{device.name}'s {device.memory_bytes / 2**30:.0f} GiB{kept}; shard more (FSDP/TP/PP), use "
+                        f"{device.name}'s {device.memory_bytes / 2**30:.0f} GiB{headroom_note(memory_headroom)}; "
+                        f"shard more (FSDP/TP/PP), use "
                         f"--activation_checkpoint.mode full or a smaller local batch"
                     )
         except USER_ERRORS as e:

@@ -59,6 +59,11 @@ def memory_limit(device: Device, memory_headroom: float = 0.0) -> float:
     return device.memory_bytes * (1.0 - memory_headroom)
 
 
+def headroom_note(memory_headroom: float) -> str:
+    """What a "does not fit" message adds when a share of memory is kept free."""
+    return f" less {100 * memory_headroom:.0f}% headroom" if memory_headroom else ""
+
+
 @dataclasses.dataclass(frozen=True)
 class Network:
     """How the nodes are connected: full bisection bandwidth within a pod of `pod_size` GPUs (0 = the whole

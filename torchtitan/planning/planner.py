@@ -13,7 +13,7 @@ import math
 from torchtitan.config.job_config import Parallelism
 from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims
 from torchtitan.distributed.pipeline import plan_pipeline
-from torchtitan.planning.hardware import FLAT_NETWORK, Device, Network, memory_limit
+from torchtitan.planning.hardware import FLAT_NETWORK, Device, Network, headroom_note, memory_limit
 from torchtitan.planning.memory import (
     MemoryEstimate,
     ModelShape,
@@ -263,8 +263,7 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
             worst = est
     limit = memory_limit(device, memory_headroom)
     if worst.peak > limit:
-        kept = f" less {100 * memory_headroom:.0f}% headroom" if memory_headroom else ""
-        raise MemoryError(f"{worst.peak / 2**30:.1f} GiB > {limit / 2**30:.0f} GiB{kept}")
+        raise MemoryError(f"{worst.peak / 2**30:.1f} GiB > {limit / 2**30:.0f} GiB{headroom_note(memory_headroom)}")
 
     # ---- step time ---------------------------------------------------------------------------------------
     per_replica_tokens = global_batch_size // pd.dp * seq_len

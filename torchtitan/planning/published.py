@@ -167,6 +167,13 @@ class Run:
     features: Features = Features()
 
 
+def _unjudged(flavor: str, device: str, run: Run, network: Network = FLAT_NETWORK) -> Candidate:
+    """A published run evaluated at 8K sequences with its memory not judged (it ran)."""
+    roomy = dataclasses.replace(get_device(device), memory_bytes=float("inf"))
+    return evaluate(ModelShape.from_args(llama3_flavors[flavor]), run.layout, roomy, run.devices, 8192,
+                    run.global_batch_size, network=network, features=run.features)
+
+
 @dataclasses.dataclass(frozen=True)
 class PublishedRatio:
     """Two published runs that differ in one thing, and the ratio of their reported throughputs. The ranking
@@ -186,10 +193,7 @@ class PublishedRatio:
     def predicted(self) -> float:
         """Predicted throughput per GPU of b / a, memory not judged (the published runs ran; the estimator is
         checked against their memory separately, docs/planning.md)."""
-        roomy = dataclasses.replace(get_device(self.device), memory_bytes=float("inf"))
-        shape = ModelShape.from_args(llama3_flavors[self.flavor])
-        tps = [evaluate(shape, r.layout, roomy, r.devices, 8192, r.global_batch_size, network=self.network,
-                        features=r.features).tokens_per_s_per_device for r in (self.a, self.b)]
+        tps = [_unjudged(self.flavor, self.device, r, self.network).tokens_per_s_per_device for r in (self.a, self.b)]
         return tps[1] / tps[0]
 
 
@@ -234,11 +238,7 @@ class PublishedMemory:
     device: str = "H100-96GB"
 
     def estimate_gib(self) -> float:
-        roomy = dataclasses.replace(get_device(self.device), memory_bytes=float("inf"))
-        shape = ModelShape.from_args(llama3_flavors[self.flavor])
-        r = self.run
-        return evaluate(shape, r.layout, roomy, r.devices, 8192, r.global_batch_size,
-                        features=r.features).memory.peak / 2**30
+        return _unjudged(self.flavor, self.device, self.run).memory.peak / 2**30
 
 
 MEMORY = (
