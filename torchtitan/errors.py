@@ -2,6 +2,7 @@
 
 from torchtitan.components.checkpoint import CheckpointError
 from torchtitan.config import ConfigError
+from torchtitan.datasets.sources import DataSourceError
 from torchtitan.distributed.parallel_dims import LayoutError
 
 
@@ -9,4 +10,6 @@ class TrainingError(RuntimeError):
     """The run cannot go on (e.g. the loss became NaN); the message says where and why."""
 
 
-USER_ERRORS = (ConfigError, LayoutError, FileNotFoundError, TrainingError, ValueError, CheckpointError)
+# DataSourceError: said in one line, but restartable (train.py records user errors as restartable).
+USER_ERRORS = (ConfigError, LayoutError, FileNotFoundError, TrainingError, ValueError, CheckpointError,
+               DataSourceError)

@@ -13,6 +13,7 @@ from pathlib import Path
 from torchtitan.components.lr_scheduler import check_schedule
 from torchtitan.config import JobConfig
 from torchtitan.datasets.dataloader import check_shard_folder, is_dataset_name, parse_mixture
+from torchtitan.datasets.schedule import mixture_schedule
 from torchtitan.datasets.sources import DATASETS, local_data_files, open_documents
 
 
@@ -46,6 +47,8 @@ _RULES = {
     "training.seq_len": _at_least(1),
     "training.steps": _at_least(1),
     "training.gc_freq": _at_least(1),
+    "training.source_retries": ((lambda v: v >= 0), "0 (fail at the first error) or more"),
+    "training.source_retry_backoff_s": _non_negative_number(),
     "validation.freq": _at_least(1),
     "validation.steps": _minus_one_or_at_least(1, "the whole validation split"),
     "validation.local_batch_size": _at_least(1),
@@ -76,7 +79,9 @@ def check_job_values(cfg: JobConfig) -> None:
     check_schedule(cfg.lr_scheduler, cfg.training.steps)
     _check_creatable_folder(cfg.job.dump_folder)
     t = cfg.training
-    sources = [s for s, _ in parse_mixture(t.datasets)] if t.datasets else [t.dataset]
+    mixture = parse_mixture(t.datasets) if t.datasets else [(t.dataset, 1.0)]
+    mixture_schedule(cfg, mixture)  # phases: weights that parse, known sources, increasing steps
+    sources = [s for s, _ in mixture]
     for source in sources:
         if not is_dataset_name(source):
             check_shard_folder(source, "train")  # reading the shards (tokenizer hash) is the ranks' job

@@ -393,6 +393,7 @@ class Trainer:
                     if self._source_sums is not None:  # loss/<source> over every rank's tokens of the step
                         sums = self._reduce_over(self._source_sums, "dp_cp")
                         metrics.update(per_source_metrics(sums, self.source_names))
+                        metrics.update(self.dataloader.dataset.tokens_seen())  # the same on every rank
                     self.metrics.log(step, metrics)
                     window_start, window_tokens, data_time = time.perf_counter(), 0, 0.0
                     self.memory.reset_peak_stats()

@@ -105,6 +105,24 @@ class Training:
     enable_cpu_offload: bool = False
     """Offload parameters, gradients and optimizer state to CPU under FSDP (CUDA only)."""
 
+    mixture_phases: list[str] = field(default_factory=list)
+    """Mixture schedule: phases after step 0 (which uses `datasets`), each "step=N SOURCE:WEIGHT ... [ramp=M]":
+    from step N the weights move linearly over M steps (none: at once) to the listed ones, a source not listed
+    getting 0, e.g. ["step=90000 web:0.4 code:0.3 curated:0.3 ramp=1000"] (command line: phases separated by
+    commas). Steps must increase. See docs/data.md."""
+
+    mixture_anneal: list[str] = field(default_factory=list)
+    """Annealing preset: the SOURCE:WEIGHT entries of a last phase that starts where the LR starts decaying
+    (needs lr_scheduler.decay_ratio), e.g. ["curated:0.6", "web:0.2", "code:0.2"]."""
+
+    source_retries: int = 3
+    """Times a document source that fails while reading (a dropped stream, a vanished file) is reopened at the
+    same document, retry k waiting source_retry_backoff_s x 2^k; then the rank stops with one line naming the
+    source (a restartable failure for tools/restart.py)."""
+
+    source_retry_backoff_s: float = 1.0
+    """Seconds before the first retry of a failing source; doubled for each further one."""
+
 
 @dataclass
 class Validation:

@@ -10,11 +10,13 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.datasets.packing import (
     ExhaustedPolicy,
     GlobalBatchSlicer,
+    ReadRetry,
     SampleFeatures,
     ShardWindows,
     TextWindows,
     WindowSource,
 )
+from torchtitan.datasets.schedule import mixture_schedule
 from torchtitan.datasets.shards import open_shards
 from torchtitan.datasets.sources import DATASETS, open_documents
 
@@ -38,13 +40,14 @@ def parse_mixture(entries: list[str]) -> list[tuple[str, float]]:
 
 
 def open_window_source(
-    source: str, dataset_path: str | None, split: str, tokenizer: Tokenizer, window: int, policy: ExhaustedPolicy
+    source: str, dataset_path: str | None, split: str, tokenizer: Tokenizer, window: int, policy: ExhaustedPolicy,
+    retry: ReadRetry = ReadRetry(),
 ) -> WindowSource:
     """A registered dataset name (tokenized as it is read) or a folder written by
     `python -m torchtitan.datasets.pretokenize` (its `<split>/` shards)."""
     if is_dataset_name(source):
         # open_documents names the valid datasets (and the nearest one) for an unknown name.
-        return TextWindows(open_documents(source, dataset_path, split), tokenizer, window, policy)
+        return TextWindows(open_documents(source, dataset_path, split), tokenizer, window, policy, retry=retry)
     folder = check_shard_folder(source, split)
     return ShardWindows(open_shards(folder / split, tokenizer), window, policy, name=folder.name)
 
@@ -96,8 +99,10 @@ def build_text_dataloader(
             "datasets at their default location or shard folders (pre-tokenize local files first)"
         )
     mixture = parse_mixture(t.datasets) if t.datasets else [(t.dataset, 1.0)]
-    path = t.dataset_path
-    sources = [open_window_source(s, path, split, tokenizer, t.seq_len + 1, policy) for s, _ in mixture]
+    # Validation reads the base mixture: its per-source losses stay comparable across the phases.
+    weights = mixture_schedule(job_config, mixture) if infinite else [w for _, w in mixture]
+    path, retry = t.dataset_path, ReadRetry(t.source_retries, t.source_retry_backoff_s)
+    sources = [open_window_source(s, path, split, tokenizer, t.seq_len + 1, policy, retry) for s, _ in mixture]
     features = SampleFeatures(
         document_ids=t.document_masking,
         document_positions=t.document_positions,
@@ -106,7 +111,7 @@ def build_text_dataloader(
     )
     ds = GlobalBatchSlicer(
         sources,
-        [w for _, w in mixture],
+        weights,
         global_batch_size=global_batch_size,
         dp_rank=dp_rank,
         dp_degree=dp_degree,

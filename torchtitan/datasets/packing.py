@@ -24,7 +24,9 @@ boundary, so saved once and loadable under any data-parallel degree.
 
 from __future__ import annotations
 
+import bisect
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -36,8 +38,9 @@ from torch.utils.data import IterableDataset
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.tokenizer import Tokenizer
 from torchtitan.datasets.chat import tokenize_document
+from torchtitan.datasets.schedule import MixtureSchedule
 from torchtitan.datasets.shards import ShardSet
-from torchtitan.datasets.sources import DocumentSource
+from torchtitan.datasets.sources import DataSourceError, DocumentSource
 from torchtitan.datasets.documents import document_ids_from_bos, positions_in_documents
 from torchtitan.tools.logging import logger
 
@@ -67,14 +70,25 @@ class StreamPosition:
     trained: list[bool] | None = None  # per buffered token, once any document had untrained tokens
 
 
+@dataclass(frozen=True)
+class ReadRetry:
+    """How a document source that raises while reading is retried: `retries` times, retry k after
+    `backoff_s` x 2^k seconds (so at most backoff_s x (2^retries - 1) seconds in all)."""
+
+    retries: int = 3
+    backoff_s: float = 1.0
+
+
 class TextWindows:
     """Tokenizes documents (BOS ... EOS each; chat records with their trained mask) and cuts the
     concatenation into windows of `window` tokens, in order."""
 
     def __init__(
-        self, source: DocumentSource, tokenizer: Tokenizer, window: int, policy: ExhaustedPolicy, name: str = ""
+        self, source: DocumentSource, tokenizer: Tokenizer, window: int, policy: ExhaustedPolicy, name: str = "",
+        retry: ReadRetry = ReadRetry(),
     ):
         self.source, self.tokenizer, self.window, self.policy = source, tokenizer, window, policy
+        self.retry = retry
         self.name = name or source.name
         self.pos = StreamPosition()
         self.consumed = 0  # windows read so far
@@ -129,9 +143,7 @@ class TextWindows:
     def _next_document(self):
         p = self.pos
         for attempt in range(2):
-            if self._docs is None:
-                self._docs = self.source.iter_from(p.doc_index)
-            doc = next(self._docs, None)
+            doc = self._read()
             if doc is not None:
                 p.doc_index += 1
                 return doc
@@ -143,6 +155,30 @@ class TextWindows:
             self._docs = None
             logger.warning(f"Dataset {self.name}: starting epoch {p.epoch} (data is being re-used)")
         return None
+
+    def _read(self):
+        """The document at pos.doc_index (None at the end); a source that raises is reopened there, with backoff,
+        so a recovered read gives the same documents as one that never failed."""
+        failures = 0
+        while True:
+            if self._docs is None:
+                self._docs = self.source.iter_from(self.pos.doc_index)
+            try:
+                return next(self._docs, None)
+            except Exception as e:  # a dropped stream, a vanished file: whatever the source's reader raises
+                self._docs = None
+                failures += 1
+                reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                if failures > self.retry.retries:
+                    raise DataSourceError(
+                        f"data source {self.name} failed {failures} times in a row reading document "
+                        f"{self.pos.doc_index} ({reason}); restarting the run resumes there "
+                        f"(more tries: --training.source_retries)"
+                    ) from e
+                delay = self.retry.backoff_s * 2 ** (failures - 1)
+                logger.warning(f"Dataset {self.name}: reading document {self.pos.doc_index} failed ({reason}); "
+                               f"retry {failures}/{self.retry.retries} in {delay:g}s")
+                time.sleep(delay)
 
 
 class ShardWindows:
@@ -182,34 +218,52 @@ class ShardWindows:
 
 
 class MixturePlan:
-    """Which source each global sample comes from: seeded, blockwise exact shares (see the module doc)."""
+    """Which source each global sample comes from: seeded, blockwise exact shares (see the module doc).
 
-    def __init__(self, weights: list[float], seed: int):
-        if not weights or any(w <= 0 for w in weights):
-            raise ValueError(f"mixture weights must be positive, got {weights}")
-        self.seed = seed
-        shares = np.asarray(weights, dtype=np.float64) / sum(weights) * MIXTURE_BLOCK
-        quotas = np.floor(shares).astype(np.int64)
-        # Largest remainder: the seats left over go to the largest fractional parts (ties: first source).
-        order = np.argsort(-(shares - quotas), kind="stable")
-        quotas[order[: MIXTURE_BLOCK - int(quotas.sum())]] += 1
-        self._block_template = np.repeat(np.arange(len(weights)), quotas)
-        self._cache: dict[int, np.ndarray] = {}
+    Blocks restart at every phase of the schedule (a phase starts at a step, i.e. at a global-batch boundary),
+    and block b of phase i is shuffled by (seed, b, i's first sample) alone (phase 0: (seed, b)), with the
+    weights phase i gives the block's middle step. A block cut short by the next phase keeps its first samples,
+    so a schedule extended with a new phase draws every earlier sample as before.
+    """
 
-    def _block(self, b: int) -> np.ndarray:
-        if b not in self._cache:
+    def __init__(self, schedule: MixtureSchedule | list[float], seed: int, global_batch_size: int = 1):
+        if not isinstance(schedule, MixtureSchedule):
+            if not schedule or any(w <= 0 for w in schedule):
+                raise ValueError(f"mixture weights must be positive, got {schedule}")
+            schedule = MixtureSchedule.constant(list(schedule))
+        self.schedule, self.seed, self.global_batch_size = schedule, seed, global_batch_size
+        self.num_sources = len(schedule.phases[0].weights)
+        self._starts = [p.start * global_batch_size for p in schedule.phases]  # first sample of each phase
+        self._cache: dict[tuple[int, int], np.ndarray] = {}
+
+    def _block(self, phase: int, b: int) -> np.ndarray:
+        if (phase, b) not in self._cache:
             if len(self._cache) > 4:
                 self._cache.clear()
-            self._cache[b] = np.random.default_rng([self.seed, b]).permutation(self._block_template)
-        return self._cache[b]
+            middle = self._starts[phase] + b * MIXTURE_BLOCK + MIXTURE_BLOCK // 2
+            weights = self.schedule.phase_weights(phase, middle // self.global_batch_size)
+            shares = np.asarray(weights, dtype=np.float64) / sum(weights) * MIXTURE_BLOCK
+            quotas = np.floor(shares).astype(np.int64)
+            # Largest remainder: the seats left over go to the largest fractional parts (ties: first source).
+            order = np.argsort(-(shares - quotas), kind="stable")
+            quotas[order[: MIXTURE_BLOCK - int(quotas.sum())]] += 1
+            key = [self.seed, b] if phase == 0 else [self.seed, b, self._starts[phase]]
+            template = np.repeat(np.arange(self.num_sources), quotas)
+            self._cache[(phase, b)] = np.random.default_rng(key).permutation(template)
+        return self._cache[(phase, b)]
 
     def choices(self, start: int, count: int) -> np.ndarray:
-        if len(self._block_template) and self._block_template.max() == 0:
+        if self.num_sources == 1:
             return np.zeros(count, dtype=np.int64)  # one source: no draws needed
-        first, last = start // MIXTURE_BLOCK, (start + count - 1) // MIXTURE_BLOCK
-        blocks = np.concatenate([self._block(b) for b in range(first, last + 1)])
-        offset = start - first * MIXTURE_BLOCK
-        return blocks[offset : offset + count]
+        out, k, end = [], start, start + count
+        while k < end:
+            phase = bisect.bisect_right(self._starts, k) - 1
+            b = (k - self._starts[phase]) // MIXTURE_BLOCK
+            block_start = self._starts[phase] + b * MIXTURE_BLOCK
+            stop = min(block_start + MIXTURE_BLOCK, end, *self._starts[phase + 1 : phase + 2])
+            out.append(self._block(phase, b)[k - block_start : stop - block_start])
+            k = stop
+        return np.concatenate(out)
 
 
 @dataclass(frozen=True)
@@ -255,7 +309,7 @@ class GlobalBatchSlicer(IterableDataset):
     def __init__(
         self,
         sources: list[WindowSource],
-        weights: list[float],
+        weights: list[float] | MixtureSchedule,
         *,
         global_batch_size: int,
         dp_rank: int,
@@ -268,7 +322,7 @@ class GlobalBatchSlicer(IterableDataset):
         names = [s.name for s in sources]
         if len(set(names)) != len(names):
             raise ValueError(f"mixture sources must have distinct names, got {names}")
-        self.sources, self.plan, self.features = sources, MixturePlan(weights, seed), features
+        self.sources, self.plan, self.features = sources, MixturePlan(weights, seed, global_batch_size), features
         self.source_names = names
         self.global_batch_size, self.dp_rank, self.dp_degree = global_batch_size, dp_rank, dp_degree
         self.slice_size = global_batch_size // dp_degree
@@ -312,6 +366,10 @@ class GlobalBatchSlicer(IterableDataset):
                 yield item
             skip = 0
             self._batch_start, self._batch_end, self._yielded = self._batch_end, None, 0
+
+    def tokens_seen(self) -> dict[str, int]:
+        """tokens_seen/<source>: the input tokens each source has given the global stream so far (all ranks')."""
+        return {f"tokens_seen/{s.name}": s.consumed * (s.window - 1) for s in self.sources}
 
     def state_dict(self) -> dict:
         """{"sample", "yielded", "sources"}; the sources' positions are one JSON string, so a checkpoint

@@ -37,6 +37,11 @@ TEXT_FIELD = "text"
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 
 
+class DataSourceError(RuntimeError):
+    """A document source kept failing while reading, past its retry budget (the message names it). Restarting
+    the run can help (the stream or the file may be back), so the supervisor restarts it."""
+
+
 class DocumentSource(ABC):
     """Documents (texts, or chat records for ``chat``) in a fixed order; ``iter_from(n)`` starts at document
     ``n`` (0-based)."""
