@@ -117,7 +117,9 @@ def test_checkpointed_run_resumes_with_the_same_samples(tmp_path, data):
     if data == "mixture":
         shards = tmp_path / "docs60"
         assert pretokenize(["--output", str(shards), "--max_docs", "60", "--docs_per_part", "30"]) == 0
-        argv = ["--training.datasets", f"stdlib_docs:0.6,{shards}:0.4"]
+        # A schedule too: resumed after step 2, inside the ramp of the phase from (0-based) step 1.
+        argv = ["--training.datasets", f"stdlib_docs:0.6,{shards}:0.4",
+                "--training.mixture_phases", "step=1 stdlib_docs:0.1 docs60:0.9 ramp=2"]
     else:
         chat = tmp_path / "chat.jsonl"
         chat.write_text("".join(json.dumps(r) + "\n" for r in RECORDS * 5))
@@ -129,3 +131,8 @@ def test_checkpointed_run_resumes_with_the_same_samples(tmp_path, data):
     # Step 3's loss is the weights after step 2 (same LR so far) on step 3's samples. Step 4 is not compared:
     # extending a finished 2-step run re-fits the LR schedule to 4 steps, so its step-3 update differs.
     assert losses(tmp_path / "resumed")[-2] == losses(tmp_path / "full")[2]
+    if data == "mixture":  # tokens_seen/<source>: every sample's seq_len input tokens, counted by its source
+        with open(tmp_path / "full" / "metrics.jsonl") as f:
+            seen = [(m["tokens_seen/stdlib_docs"], m["tokens_seen/docs60"]) for m in map(json.loads, f) if "loss" in m]
+        assert [a + b for a, b in seen] == [step * 4 * 32 for step in range(1, 5)]
+        assert seen[-1][1] - seen[1][1] > seen[-1][0] - seen[1][0]  # the later phase favours docs60
