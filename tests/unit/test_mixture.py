@@ -77,13 +77,12 @@ def test_every_layout_sees_the_same_global_batches(tok, two_shard_folders, dp_de
     assert rebuilt == single
 
 
-@pytest.mark.parametrize("old,new", [(2, 4), (4, 1)])
-def test_resume_under_another_dp_degree_continues_the_sequence(tok, two_shard_folders, old, new):
-    gbs, before, after = 8, 3, 3
-    single = take(slicer(mixed_sources(tok, two_shard_folders)), (before + after) * gbs)
+def resumed_under(make, old: int, new: int, gbs: int, before: int, after: int) -> list:
+    """Steps [before, before + after) of the stream of `make(dp_rank, dp_degree)`, read by DP `new` from the
+    state DP `old` saved after `before` steps (every rank's state must be the same)."""
     states = []
     for r in range(old):
-        ds = slicer(mixed_sources(tok, two_shard_folders), dp_rank=r, dp_degree=old)
+        ds = make(r, old)
         it = iter(ds)
         for _ in range(before * gbs // old):
             next(it)
@@ -92,11 +91,18 @@ def test_resume_under_another_dp_degree_continues_the_sequence(tok, two_shard_fo
     k = gbs // new
     resumed = []
     for r in range(new):
-        ds = slicer(mixed_sources(tok, two_shard_folders), dp_rank=r, dp_degree=new)
+        ds = make(r, new)
         ds.load_state_dict(states[0])
         resumed.append(take(ds, after * k))
-    rebuilt = [x for s in range(after) for r in range(new) for x in resumed[r][s * k:(s + 1) * k]]
-    assert rebuilt == single[before * gbs:]
+    return [x for s in range(after) for r in range(new) for x in resumed[r][s * k:(s + 1) * k]]
+
+
+@pytest.mark.parametrize("old,new", [(2, 4), (4, 1)])
+def test_resume_under_another_dp_degree_continues_the_sequence(tok, two_shard_folders, old, new):
+    gbs, before, after = 8, 3, 3
+    single = take(slicer(mixed_sources(tok, two_shard_folders)), (before + after) * gbs)
+    make = lambda r, d: slicer(mixed_sources(tok, two_shard_folders), dp_rank=r, dp_degree=d)  # noqa: E731
+    assert resumed_under(make, old, new, gbs, before, after) == single[before * gbs:]
 
 
 def test_mixture_entries_are_checked():

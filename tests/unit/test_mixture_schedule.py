@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from tests.unit.test_mixture import SEQ, take, tok  # noqa: F401 (tok is a fixture)
+from tests.unit.test_mixture import SEQ, resumed_under, take, tok  # noqa: F401 (tok is a fixture)
 from torchtitan import preflight
 from torchtitan.datasets import packing
 from torchtitan.datasets.packing import GlobalBatchSlicer, MixturePlan, ReadRetry, SampleFeatures, ShardWindows, TextWindows
@@ -91,22 +91,8 @@ def test_resume_mid_phase_under_another_dp_degree_continues_bitwise(tok, folders
     sched = schedule(folders, ["step=3 web:0.1 code:0.1 curated:0.8 ramp=4", "step=7 web:0.6 code:0.4"])
     single = take(slicer(mixed(tok, folders), sched, gbs=gbs), (before + after) * gbs)
     assert {s for s, _ in single[7 * gbs:]} <= {0, 1}  # phase 2 reads no curated sample
-    states = []
-    for r in range(old):
-        ds = slicer(mixed(tok, folders), sched, gbs=gbs, dp_rank=r, dp_degree=old)
-        it = iter(ds)
-        for _ in range(before * gbs // old):
-            next(it)
-        states.append(ds.state_dict())
-    assert all(s == states[0] for s in states)  # one layout-free position
-    k = gbs // new
-    resumed = []
-    for r in range(new):
-        ds = slicer(mixed(tok, folders), sched, gbs=gbs, dp_rank=r, dp_degree=new)
-        ds.load_state_dict(states[0])
-        resumed.append(take(ds, after * k))
-    rebuilt = [x for s in range(after) for r in range(new) for x in resumed[r][s * k:(s + 1) * k]]
-    assert rebuilt == single[before * gbs:]
+    make = lambda r, d: slicer(mixed(tok, folders), sched, gbs=gbs, dp_rank=r, dp_degree=d)  # noqa: E731
+    assert resumed_under(make, old, new, gbs, before, after) == single[before * gbs:]
 
 
 def test_extending_a_finished_run_with_a_new_phase(tok, folders):

@@ -16,7 +16,7 @@ from torchtitan.datasets.packing import (
     TextWindows,
     WindowSource,
 )
-from torchtitan.datasets.schedule import mixture_schedule
+from torchtitan.datasets.schedule import mixture_schedule, source_weight
 from torchtitan.datasets.shards import open_shards
 from torchtitan.datasets.sources import DATASETS, open_documents
 
@@ -25,11 +25,7 @@ def parse_mixture(entries: list[str]) -> list[tuple[str, float]]:
     """`training.datasets` entries "SOURCE:WEIGHT" -> [(source, weight)]; ValueError names a bad entry."""
     out = []
     for entry in entries:
-        source, sep, weight = entry.rpartition(":")
-        try:
-            value = float(weight) if sep and source else -1.0
-        except ValueError:
-            value = -1.0
+        source, value = source_weight(entry)
         if value <= 0:
             raise ValueError(
                 f"--training.datasets entry {entry!r} must be SOURCE:WEIGHT with a positive weight, "

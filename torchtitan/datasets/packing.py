@@ -8,7 +8,8 @@ r of D keeps the contiguous slice r of G/D samples (its gradient-accumulation mi
 Sample k of the stream is a window of seq_len + 1 tokens of source `choice(k)`, the n-th window of that
 source where n counts the earlier samples drawn from it. `MixturePlan` makes the choices from the seed, in
 blocks of 1000 samples that hold each source's share exactly (largest remainder) in a seeded random order:
-deterministic, the same on every rank, and on weight within 1/1000 over any span of whole blocks.
+deterministic, the same on every rank, and on weight within 1/1000 over any span of whole blocks. Under a
+mixture schedule (schedule.py) the blocks restart at every phase and follow its weights.
 
 Two kinds of source:
 - `ShardWindows` reads pre-tokenized shards (shards.py): window n is tokens [n*W, (n+1)*W) of the shards'

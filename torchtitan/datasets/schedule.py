@@ -19,6 +19,7 @@ a run extended with a new phase keeps the weights (hence the samples) of every s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,16 +34,22 @@ class Phase:
     ramp: int = 0  # steps over which the weights move linearly from the previous phase's to these
 
 
+def source_weight(entry: str) -> tuple[str, float]:
+    """"SOURCE:WEIGHT" -> (source, weight), the weight -1 where it does not parse (a path may hold ':')."""
+    source, sep, value = entry.rpartition(":")
+    try:
+        weight = float(value) if sep and source else -1.0
+    except ValueError:
+        weight = -1.0
+    return source, weight if math.isfinite(weight) else -1.0
+
+
 def _weights(fields: list[str], names: list[list[str]], what: str) -> tuple[float, ...]:
     """"SOURCE:WEIGHT" fields -> weights in mixture order (unnamed sources 0), normalised."""
     out = [0.0] * len(names)
     for f in fields:
-        source, sep, value = f.rpartition(":")
-        try:
-            weight = float(value) if sep and source else -1.0
-        except ValueError:
-            weight = -1.0
-        if not weight >= 0 or weight == float("inf"):
+        source, weight = source_weight(f)
+        if weight < 0:
             raise ValueError(f"{what}: {f!r} must be SOURCE:WEIGHT with a weight >= 0, e.g. web:0.4")
         index = next((i for i, aliases in enumerate(names) if source in aliases), None)
         if index is None:
