@@ -8,12 +8,19 @@ per attempt, else the launcher makes one). When the first failure is a user erro
 file, diverged loss: torchtitan/errors.py), the launcher prints that line once and exits 1, instead of torchrun's
 ChildFailedError traceback, which would bury it. A real crash (any other exception, a signal) keeps torchrun's
 full report.
+
+After a user error the other ranks are collateral. torchrun stops them with SIGTERM, but a rank blocked in a NCCL
+collective (waiting for the rank that failed) runs no Python signal handler, and torchrun waits 30 s before it
+kills it; so the ranks still running PEER_GRACE_S after a user error was reported are killed by the launcher.
 """
 
+import glob
 import logging
 import os
+import signal
 import sys
 import tempfile
+import threading
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
@@ -45,12 +52,54 @@ class _HeldLogs(logging.Handler):
             logging.getLogger(record.name).handle(record)
 
 
+PEER_GRACE_S = 5.0  # seconds the other ranks get to end by themselves after a rank reported a user error
+
+
+class _PeerStopper(threading.Thread):
+    """Kills this launcher's child processes (the ranks) PEER_GRACE_S after a rank reported a user error."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__(daemon=True)
+        self.folder, self.done = folder, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.2):
+            reported = os.path.isdir(self.folder) and any(n.endswith(".json") for n in os.listdir(self.folder))
+            if reported and read_failure(self.folder).user_error:
+                if not self.done.wait(PEER_GRACE_S):
+                    for pid in _children():
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                return
+
+    def __enter__(self) -> "_PeerStopper":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+
+
+def _children() -> list[int]:
+    """This process's child processes (Linux /proc; none found elsewhere, leaving the stop to torchrun)."""
+    pids = []
+    for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        try:
+            with open(path) as f:
+                pids += [int(p) for p in f.read().split()]
+        except OSError:
+            continue
+    return pids
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="torchtitan-failures-") as own:
         folder = os.environ.setdefault(FAILURE_DIR_ENV, own)  # the ranks inherit the launcher's environment
         os.environ[LAUNCHED_ENV] = "1"
-        with _HeldLogs(logging.getLogger("torch.distributed.elastic")) as held:
+        with _HeldLogs(logging.getLogger("torch.distributed.elastic")) as held, _PeerStopper(folder):
             try:
                 run(args)
                 failure = None

@@ -1,8 +1,9 @@
 """A document source that keeps failing on one rank (DP 2): that rank retries with backoff, then stops with one
-line naming the source; the other rank, waiting in a collective for it, is ended by the launcher (torchrun stops
-the job's other ranks once one exits) within the retry budget plus a few seconds, not at the collective's
-timeout; and the failure is one the restart supervisor restarts."""
+line naming the source; the other rank, waiting in a collective for it, ends within the retry budget plus a few
+seconds, not at the collective's timeout; and the failure is one the restart supervisor restarts. A peer that
+SIGTERM cannot stop (as in a NCCL wait) is killed by the launcher PEER_GRACE_S after the report."""
 
+import json
 import os
 import re
 import subprocess
@@ -51,3 +52,30 @@ def test_a_source_that_keeps_failing_ends_every_rank_with_one_line(tmp_path):
     ], out
     failure = read_failure(str(failures))
     assert failure.restartable and "data source flaky" in failure.signature  # tools/restart.py restarts it
+
+
+STUCK_PEER = """
+import os, signal, sys, time
+from torchtitan.tools.restart import record_failure
+if os.environ["RANK"] == "1":
+    record_failure("data source web failed 4 times in a row reading document 7", user_error=True)
+    sys.exit(1)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a rank blocked in C (a NCCL wait) runs no Python handler
+time.sleep(300)
+"""
+
+
+def test_a_peer_that_sigterm_cannot_stop_is_killed_after_the_grace(tmp_path):
+    from torchtitan.launch import PEER_GRACE_S
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TORCHTITAN_FAILURE_DIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "torchtitan.launch", "--nproc-per-node=2", "--max-restarts=0", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.1", "--no-python", sys.executable,
+           "-c", STUCK_PEER]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    took = time.time() - json.loads((tmp_path / "rank-1.json").read_text())["time"]
+    print(f"rank 1's user error reported -> the stuck rank 0 killed, the launcher done: {took:.1f} s")
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert [line for line in p.stderr.splitlines() if line.startswith("error:")] == [
+        "error: data source web failed 4 times in a row reading document 7"], p.stderr[-3000:]
+    assert took < PEER_GRACE_S + 5, p.stderr[-3000:]  # torchrun alone waits 30 s before it kills rank 0
