@@ -29,12 +29,12 @@ def folders(tmp_path_factory):
     return [root / n for n in NAMES]
 
 
-def schedule(folders, phases: list[str], extra: list[str] = ()) -> MixtureSchedule:
-    """The schedule a user's options give: base weights web 0.5, code 0.3, curated 0.2, then `phases`."""
+def schedule(folders, phases: list[str], extra: list[str] = (), base=(0.5, 0.3, 0.2)) -> MixtureSchedule:
+    """The schedule a user's options give: base weights (web, code, curated), then `phases`."""
     from torchtitan.datasets.dataloader import parse_mixture
     from torchtitan.datasets.schedule import mixture_schedule
 
-    datasets = [f"{f}:{w}" for f, w in zip(folders, (0.5, 0.3, 0.2))]
+    datasets = [f"{f}:{w}" for f, w in zip(folders, base)]
     cfg = config_manager().parse_args(["--training.datasets", ",".join(datasets),
                                        "--training.mixture_phases", ",".join(phases), *extra])
     return mixture_schedule(cfg, parse_mixture(cfg.training.datasets))
@@ -95,14 +95,19 @@ def test_resume_mid_phase_under_another_dp_degree_continues_bitwise(tok, folders
     assert resumed_under(make, old, new, gbs, before, after) == single[before * gbs:]
 
 
-def test_extending_a_finished_run_with_a_new_phase(tok, folders):
+@pytest.mark.parametrize("added", [False, True], ids=["reweighted", "new-source"])
+def test_extending_a_finished_run_with_a_new_phase(tok, folders, added):
     """A run of 105 steps (gbs 10: the block of phase 1 holding samples [500, 1500) is cut at 1,050) extended with
     a new phase from step 105: the samples of the first 105 steps are those of the original schedule, the resumed
-    run continues exactly as the extended schedule from scratch, and the new phase is on weight."""
+    run continues exactly as the extended schedule from scratch, and the new phase is on weight. new-source: the
+    original run read web and code only; the extension adds curated (weight 0 until its phase)."""
     gbs, done, more = 10, 105, 100
-    original = schedule(folders, ["step=50 web:0.2 code:0.6 curated:0.2"])
-    extended = schedule(folders, ["step=50 web:0.2 code:0.6 curated:0.2", "step=105 web:0.1 code:0.1 curated:0.8"])
-    ds = slicer(shards(tok, folders), original, gbs=gbs)
+    first_phase = "step=50 web:0.2 code:0.6" + ("" if added else " curated:0.2")
+    n = 2 if added else 3
+    original = schedule(folders[:n], [first_phase], base=(0.5, 0.3, 0.2)[:n])
+    extended = schedule(folders, [first_phase, "step=105 web:0.1 code:0.1 curated:0.8"],
+                        base=(0.5, 0.3, 0.0 if added else 0.2))
+    ds = slicer(shards(tok, folders[:n]), original, gbs=gbs)
     first = take(ds, done * gbs)
     state = ds.state_dict()
     fresh = take(slicer(shards(tok, folders), extended, gbs=gbs), (done + more) * gbs)

@@ -57,7 +57,8 @@ class Training:
     """Weighted mixture replacing `dataset`: entries SOURCE:WEIGHT, a SOURCE being a registered dataset name (at
     its default location) or a folder written by `python -m torchtitan.datasets.pretokenize`, e.g.
     ["stdlib_docs:0.7", "/data/web_shards:0.3"]. Which source each sample comes from is drawn from the seed;
-    the loss of each source is logged as loss/<source>."""
+    the loss of each source is logged as loss/<source>. Weight 0: a source that a later `mixture_phases`
+    phase brings in."""
 
     dataset_exhausted: Literal["loop", "stop"] = "loop"
     """When a training source runs out: loop (start it over, a new epoch, with a warning) or stop (end

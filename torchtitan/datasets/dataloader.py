@@ -26,12 +26,14 @@ def parse_mixture(entries: list[str]) -> list[tuple[str, float]]:
     out = []
     for entry in entries:
         source, value = source_weight(entry)
-        if value <= 0:
+        if value < 0:
             raise ValueError(
-                f"--training.datasets entry {entry!r} must be SOURCE:WEIGHT with a positive weight, "
-                f"e.g. stdlib_docs:0.7 or /data/shards/web:0.3"
+                f"--training.datasets entry {entry!r} must be SOURCE:WEIGHT with a positive weight (or 0: a source "
+                f"that a later --training.mixture_phases phase brings in), e.g. stdlib_docs:0.7 or /data/shards/web:0.3"
             )
         out.append((source, value))
+    if out and not any(w > 0 for _, w in out):
+        raise ValueError(f"--training.datasets {','.join(entries)} gives no source a positive weight")
     return out
 
 

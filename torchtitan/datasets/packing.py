@@ -229,8 +229,8 @@ class MixturePlan:
 
     def __init__(self, schedule: MixtureSchedule | list[float], seed: int, global_batch_size: int = 1):
         if not isinstance(schedule, MixtureSchedule):
-            if not schedule or any(w <= 0 for w in schedule):
-                raise ValueError(f"mixture weights must be positive, got {schedule}")
+            if not schedule or any(w < 0 for w in schedule) or sum(schedule) <= 0:
+                raise ValueError(f"mixture weights must be >= 0 and not all 0, got {schedule}")
             schedule = MixtureSchedule.constant(list(schedule))
         self.schedule, self.seed, self.global_batch_size = schedule, seed, global_batch_size
         self.num_sources = len(schedule.phases[0].weights)
