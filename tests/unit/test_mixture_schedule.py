@@ -10,7 +10,9 @@ import pytest
 from tests.unit.test_mixture import SEQ, resumed_under, take, tok  # noqa: F401 (tok is a fixture)
 from torchtitan import preflight
 from torchtitan.datasets import packing
-from torchtitan.datasets.packing import GlobalBatchSlicer, MixturePlan, ReadRetry, SampleFeatures, ShardWindows, TextWindows
+from torchtitan.datasets.packing import (
+    GlobalBatchSlicer, MixturePlan, ReadRetry, SampleFeatures, ShardWindows, TextWindows,
+)
 from torchtitan.datasets.pretokenize import main as pretokenize
 from torchtitan.datasets.schedule import MixtureSchedule, Phase
 from torchtitan.datasets.shards import open_shards
@@ -71,7 +73,8 @@ def test_two_phases_hit_their_ratios_within_one_percent(tok, folders):
     assert MixturePlan([0.5, 0.3, 0.2], seed=3).choices(0, 10_000).tolist() == choices[:10_000]
     # The loader reads those draws (over the phase boundary: step 10 of gbs 10 here).
     plan = MixturePlan(schedule(folders, ["step=10 web:0.2 code:0.3 curated:0.5"]), seed=3, global_batch_size=10)
-    assert [s for s, _ in take(slicer(shards(tok, folders), plan.schedule, gbs=10), 300)] == plan.choices(0, 300).tolist()
+    read = take(slicer(shards(tok, folders), plan.schedule, gbs=10), 300)
+    assert [s for s, _ in read] == plan.choices(0, 300).tolist()
 
 
 def test_a_ramp_moves_the_weights_linearly(folders):
@@ -173,7 +176,8 @@ BAD = {  # options -> what the one line says
     "a source not in the mixture": (["--training.mixture_phases", "step=10 fineweb:1"],
                                     "names source 'fineweb', which is not in --training.datasets"),
     "anneal before the last phase": (["--training.mixture_phases", "step=95 c4:1", "--training.mixture_anneal",
-                                      "stdlib_docs:1", "--lr_scheduler.decay_ratio", "0.1", "--lr_scheduler.warmup_steps", "10"],
+                                      "stdlib_docs:1", "--lr_scheduler.decay_ratio", "0.1",
+                                      "--lr_scheduler.warmup_steps", "10"],
                                      "a phase starting at step 90 comes after one starting at step 95"),
     "anneal without a decay phase": (["--training.mixture_anneal", "stdlib_docs:1"], "set decay_ratio"),
     "a negative retry budget": (["--training.source_retries", "-1"], "--training.source_retries must be 0"),
