@@ -124,20 +124,21 @@ def test_extending_a_finished_run_with_a_new_phase(tok, folders, added):
 
 class FlakySource(DocumentSource):
     """The shipped validation documents; the reads numbered in `fail_on` (0-based, over every document
-    read) raise OSError, as a dropped stream would."""
+    read) raise `error` (by default OSError, as a dropped stream would)."""
 
     resumable = True
 
-    def __init__(self, fail_on=()):
+    def __init__(self, fail_on=(), error: Exception = OSError("connection reset by peer")):
         self.inner = open_documents("stdlib_docs", None, "validation")
         self.name, self.fail_on, self.reads, self.opened_at = "flaky", set(fail_on), 0, []
+        self.error = error
 
     def iter_from(self, doc_index):
         self.opened_at.append(doc_index)
         for doc in self.inner.iter_from(doc_index):
             self.reads += 1
             if self.reads - 1 in self.fail_on:
-                raise OSError("connection reset by peer")
+                raise self.error
             yield doc
 
 
@@ -163,6 +164,12 @@ def test_a_source_failing_twice_then_recovering_reads_the_same_samples(tok, monk
                                               r"\(OSError: connection reset by peer\)"):
         flaky_run(tok, broken, retries=2)
     assert waits == [0.25, 0.5]
+    # A document that does not parse is not retried: it would fail again.
+    waits.clear()
+    garbled = FlakySource(fail_on={2}, error=ValueError("line 3: not valid JSON"))
+    with pytest.raises(ValueError, match="not valid JSON"):
+        flaky_run(tok, garbled, retries=2)
+    assert waits == [] and garbled.opened_at == [0]
 
 
 TINY = ["--model.flavor", "debugmodel_tiny4", "--training.seq_len", "32", "--training.local_batch_size", "4",

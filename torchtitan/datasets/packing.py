@@ -166,6 +166,8 @@ class TextWindows:
                 self._docs = self.source.iter_from(self.pos.doc_index)
             try:
                 return next(self._docs, None)
+            except ValueError:
+                raise  # a document that does not parse fails the same way on every read: the user's line
             except Exception as e:  # a dropped stream, a vanished file: whatever the source's reader raises
                 self._docs = None
                 failures += 1
