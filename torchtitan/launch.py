@@ -6,8 +6,9 @@ The arguments are torchrun's (`torch.distributed.run`), unchanged. Failing ranks
 the folder in TORCHTITAN_FAILURE_DIR (torchtitan.tools.restart.record_failure; the restart supervisor sets it
 per attempt, else the launcher makes one). When the first failure is a user error (bad config value, missing
 file, diverged loss: torchtitan/errors.py), the launcher prints that line once and exits 1, instead of torchrun's
-ChildFailedError traceback, which would bury it. A real crash (any other exception, a signal) keeps torchrun's
-full report.
+ChildFailedError traceback, which would bury it (and a peer whose collective broke because of it exits without
+its traceback: `peer_reported_user_error`). A real crash (any other exception, a signal) keeps torchrun's full
+report.
 
 After a user error the other ranks are collateral. torchrun stops them with SIGTERM, but a rank blocked in a NCCL
 collective (waiting for the rank that failed) runs no Python signal handler, and torchrun waits 30 s before it
@@ -92,6 +93,16 @@ def _children() -> list[int]:
         except OSError:
             continue
     return pids
+
+
+def peer_reported_user_error() -> bool:
+    """Called by a rank that failed otherwise (e.g. a collective's broken connection): whether, under this
+    launcher, the job's first failure is another rank's user error. The launcher prints that line; this rank's
+    traceback would only bury it."""
+    folder = os.environ.get(FAILURE_DIR_ENV)
+    if not os.environ.get(LAUNCHED_ENV) or not folder or not os.path.isdir(folder):
+        return False
+    return read_failure(folder).user_error
 
 
 def main(argv: list[str]) -> int:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torchtitan.config import ConfigError
 from torchtitan.protocols.train_spec import config_manager
 from torchtitan.errors import USER_ERRORS
+from torchtitan.launch import peer_reported_user_error
 from torchtitan.tools.restart import LAUNCHED_ENV, record_failure
 from torchtitan.trainer import Trainer
 
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except BaseException as e:  # a bug or a broken peer: the traceback follows; the supervisor gets the gist
         record_failure(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        if peer_reported_user_error():  # a peer stopped on a user error first (its line is printed) and broke
+            return 1  # this rank's collective: a traceback would bury that line
         raise
     finally:
         if trainer is not None:

@@ -50,6 +50,7 @@ def test_a_source_that_keeps_failing_ends_every_rank_with_one_line(tmp_path):
         "error: data source flaky failed 3 times in a row reading document 6 (OSError: connection reset by peer); "
         "restarting the run resumes there (more tries: --training.source_retries)"
     ], out
+    assert "Traceback" not in p.stdout + p.stderr, out  # not even rank 0's, whose collective broke
     failure = read_failure(str(failures))
     assert failure.restartable and "data source flaky" in failure.signature  # tools/restart.py restarts it
 
