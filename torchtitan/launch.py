@@ -22,6 +22,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
@@ -61,12 +62,21 @@ class _PeerStopper(threading.Thread):
 
     def __init__(self, folder: str) -> None:
         super().__init__(daemon=True)
-        self.folder, self.done = folder, threading.Event()
+        self.folder, self.done, self.started = folder, threading.Event(), time.time()
+
+    def _reported(self) -> bool:
+        """A rank of this launch (not a stale file in a reused folder) wrote its failure."""
+        for path in glob.glob(os.path.join(glob.escape(self.folder), "*.json")):
+            try:
+                if os.path.getmtime(path) >= self.started - 1:
+                    return True
+            except OSError:  # replaced or removed meanwhile
+                continue
+        return False
 
     def run(self) -> None:
         while not self.done.wait(0.2):
-            reported = os.path.isdir(self.folder) and any(n.endswith(".json") for n in os.listdir(self.folder))
-            if reported and read_failure(self.folder).user_error:
+            if self._reported() and read_failure(self.folder).user_error:
                 if not self.done.wait(PEER_GRACE_S):
                     for pid in _children():
                         try:
