@@ -12,7 +12,8 @@ report.
 
 After a user error the other ranks are collateral. torchrun stops them with SIGTERM, but a rank blocked in a NCCL
 collective (waiting for the rank that failed) runs no Python signal handler, and torchrun waits 30 s before it
-kills it; so the ranks still running PEER_GRACE_S after a user error was reported are killed by the launcher.
+kills it; so once a rank has reported a user error and a rank has exited, the ranks still running PEER_GRACE_S
+later are killed by the launcher (ranks of this node: another node's launcher sees only its own ranks).
 """
 
 import glob
@@ -58,7 +59,8 @@ PEER_GRACE_S = 5.0  # seconds the other ranks get to end by themselves after a r
 
 
 class _PeerStopper(threading.Thread):
-    """Kills this launcher's child processes (the ranks) PEER_GRACE_S after a rank reported a user error."""
+    """Kills this launcher's child processes (the ranks) PEER_GRACE_S after a rank that reported a user error
+    (or any rank) has exited."""
 
     def __init__(self, folder: str) -> None:
         super().__init__(daemon=True)
@@ -75,8 +77,12 @@ class _PeerStopper(threading.Thread):
         return False
 
     def run(self) -> None:
+        most = 0
         while not self.done.wait(0.2):
-            if self._reported() and read_failure(self.folder).user_error:
+            alive = len(_children())
+            most = max(most, alive)
+            # The grace starts once a rank has exited: the failing rank may still be finishing a checkpoint.
+            if alive < most and self._reported() and read_failure(self.folder).user_error:
                 if not self.done.wait(PEER_GRACE_S):
                     for pid in _children():
                         try:
@@ -94,7 +100,7 @@ class _PeerStopper(threading.Thread):
 
 
 def _children() -> list[int]:
-    """This process's child processes (Linux /proc; none found elsewhere, leaving the stop to torchrun)."""
+    """This process's running child processes (Linux /proc; none found elsewhere, leaving the stop to torchrun)."""
     pids = []
     for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
         try:
@@ -102,7 +108,15 @@ def _children() -> list[int]:
                 pids += [int(p) for p in f.read().split()]
         except OSError:
             continue
-    return pids
+    return [pid for pid in pids if _running(pid)]
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # the state follows the (command name)
+    except (OSError, IndexError):
+        return False
 
 
 def peer_reported_user_error() -> bool:

@@ -19,7 +19,7 @@ from torchtitan.tools.restart import read_failure
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
 RETRIES, BACKOFF_S = 2, 0.5  # waits 0.5 s + 1 s before giving up
-SLACK_S = 8.0  # measured 4.0 s on 2 shared cores (rank teardown, torchrun noticing, gloo erroring)
+SLACK_S = 10.0  # measured 4.0-9.3 s in all on 2 shared cores (load 14): rank 1 closing, rank 0 erroring, torchrun
 
 
 def test_a_source_that_keeps_failing_ends_every_rank_with_one_line(tmp_path):
@@ -43,7 +43,9 @@ def test_a_source_that_keeps_failing_ends_every_rank_with_one_line(tmp_path):
     # Every rank has ended (the launcher waits for all) well before the collective's 300 s timeout.
     budget = BACKOFF_S * (2**RETRIES - 1)
     took = ended - float(stamp.read_text())
-    print(f"first failure -> every rank ended: {took:.1f} s (retry budget {budget:.1f} s)")
+    reports = {f.name: json.loads(f.read_text())["time"] for f in failures.glob("rank-*.json")}
+    print(f"first failure -> every rank ended: {took:.1f} s (retry budget {budget:.1f} s); reports at "
+          + ", ".join(f"{k} +{v - float(stamp.read_text()):.1f} s" for k, v in sorted(reports.items())))
     assert took < budget + SLACK_S, out
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert errors == [
