@@ -118,8 +118,9 @@ class Training:
 
     source_retries: int = 3
     """Times a document source that fails while reading (a dropped stream, a vanished file) is reopened at the
-    same document, retry k waiting source_retry_backoff_s x 2^k; then the rank stops with one line naming the
-    source (a restartable failure for tools/restart.py)."""
+    same document, the k-th retry after source_retry_backoff_s x 2^(k-1) seconds; then the rank stops with one
+    line naming the source (a restartable failure for tools/restart.py). A ValueError (a record that does not
+    parse) is not retried."""
 
     source_retry_backoff_s: float = 1.0
     """Seconds before the first retry of a failing source; doubled for each further one."""

@@ -73,8 +73,8 @@ class StreamPosition:
 
 @dataclass(frozen=True)
 class ReadRetry:
-    """How a document source that raises while reading is retried: `retries` times, retry k after
-    `backoff_s` x 2^k seconds (so at most backoff_s x (2^retries - 1) seconds in all)."""
+    """How a document source that raises while reading is retried: `retries` times, the k-th after
+    `backoff_s` x 2^(k-1) seconds (so at most backoff_s x (2^retries - 1) seconds in all)."""
 
     retries: int = 3
     backoff_s: float = 1.0
