@@ -24,10 +24,12 @@ NAMES = ("web", "code", "curated")
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
+    """web and curated: the validation documents; code: 20 train documents (other tokens), in its validation/."""
     root = tmp_path_factory.mktemp("sched")
     assert pretokenize(["--split", "validation", "--output", str(root / "web"), "--docs_per_part", "7"]) == 0
-    for name in NAMES[1:]:
-        shutil.copytree(root / "web", root / name)
+    shutil.copytree(root / "web", root / "curated")
+    assert pretokenize(["--split", "train", "--output", str(root / "code"), "--max_docs", "20"]) == 0
+    (root / "code" / "train").rename(root / "code" / "validation")
     return [root / n for n in NAMES]
 
 
