@@ -63,7 +63,7 @@ def _measure_model(rank: int, world_size: int, flavor: str, seq_len: int, attent
 
     from torchtitan.models.llama3.flavors import llama3_flavors
     from torchtitan.models.llama3.model import Transformer
-    from torchtitan.models.llama3.parallelize import apply_cp
+    from torchtitan.distributed.parallelize import apply_cp
     from torchtitan.tools.precision import DTYPES
 
     args = dataclasses.replace(llama3_flavors[flavor], max_seq_len=seq_len)

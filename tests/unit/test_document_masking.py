@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import torchtitan.models.attention as attention
+import torchtitan.models.common.attention as attention
 from torchtitan.components.tokenizer import build_tokenizer
-from torchtitan.datasets.documents import document_ids_from_bos, positions_in_documents
+from torchtitan.protocols.documents import document_ids_from_bos, positions_in_documents
 from torchtitan.datasets.packing import SampleFeatures, Window, make_sample
 from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.model import Transformer
@@ -114,7 +114,7 @@ def test_flex_attention_on_cuda_is_exact_and_matches_dense_masking():
 
 
 def test_compiled_cpu_model_is_exact_across_documents_and_matches_eager():
-    """Compiled on CPU the blocks take the full [S, S] mask path (see models/attention.py): still exactly
+    """Compiled on CPU the blocks take the full [S, S] mask path (see models/common/attention.py): still exactly
     zero change from another document, and the same logits as eager up to inductor's fp32 reordering
     (measured 7e-7 at most; logits up to 4 in size)."""
     from torchtitan.distributed.compile import apply_compile

@@ -7,7 +7,7 @@ import torch
 
 from torchtitan.tools.params import count_params
 
-from torchtitan.models.attention import ScaledDotProductAttention
+from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.llama3.args import RopeScalingArgs, TransformerModelArgs
 from torchtitan.models.llama3.flavors import llama3_flavors
 from torchtitan.models.llama3.model import (

@@ -9,7 +9,6 @@ and scatter-add of the layer are checked against the definition, not against the
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from torchtitan.components.moe import MoE, MoEArgs
 from torchtitan.components.moe.experts import expert_swiglu
@@ -132,9 +131,21 @@ def test_sequence_aux_loss_follows_its_definition():
     assert moe.router.gate.weight.grad.abs().sum() > 0
 
 
-def test_loads_counted_once_under_activation_checkpointing():
-    moe = _moe()
-    x = torch.randn(2, 5, DIM, requires_grad=True)
-    out = checkpoint(lambda t: moe(t).out, x, use_reentrant=False)
-    out.sum().backward()  # recomputes the forward inside backward
-    assert moe.tokens_per_expert.sum() == 2 * 5 * 2
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_loads_counted_once_under_activation_checkpointing(family):
+    """The model counts each layer's load between blocks, so full AC's recompute (the block's forward again
+    inside backward) does not count it twice."""
+    from torchtitan.config.job_config import ActivationCheckpoint
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    spec = get_train_spec(family)
+    args = spec.flavors["debugmodel_tiny"]
+    torch.manual_seed(0)
+    model = spec.model_cls(args)
+    model.init_weights()
+    apply_ac(model, ActivationCheckpoint(mode="full"))
+    tokens = torch.randint(0, args.vocab_size, (2, 5))
+    model(tokens).logits.sum().backward()  # recomputes every block inside backward
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    assert moes and all(m.tokens_per_expert.sum() == 2 * 5 * m.args.top_k for m in moes)

@@ -42,7 +42,7 @@ from torchtitan.datasets.chat import tokenize_document
 from torchtitan.datasets.schedule import MixtureSchedule
 from torchtitan.datasets.shards import ShardSet
 from torchtitan.datasets.sources import DataSourceError, DocumentSource
-from torchtitan.datasets.documents import document_ids_from_bos, positions_in_documents
+from torchtitan.protocols.documents import document_ids_from_bos, positions_in_documents
 from torchtitan.tools.logging import logger
 
 # loop: a source that runs out starts over (a new epoch, with a warning); stop: the stream ends with a message

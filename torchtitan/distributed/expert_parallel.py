@@ -9,8 +9,6 @@ parallel_dims), so an expert's gradient on its rank already sums every token rou
 gradient reduction over ep, only over the ranks FSDP shards them across (dp_shard_mod_ep).
 """
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -21,12 +19,6 @@ from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParall
 
 from torchtitan.components.moe.experts import GroupedExperts
 from torchtitan.components.moe.moe import MoE
-from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.distributed.compile import apply_compile, check_compile_config, compiles
-from torchtitan.distributed.data_parallel import apply_fsdp
-from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.tools.precision import fsdp_dtypes
 
 
 class AllToAllDispatch:
@@ -80,45 +72,3 @@ def moe_tp_plan(moe: MoE, name: str = "moe") -> dict:
         for w in ("w1", "w2", "w3"):
             plan[f"{name}.shared_experts.{w}"] = SequenceParallel(sequence_dim=1, use_local_output=True)
     return plan
-
-
-def parallelize_moe_model(
-    model: nn.Module,
-    parallel_dims: ParallelDims,
-    job_config: JobConfig,
-    *,
-    apply_cp: Callable,
-    apply_tp: Callable,
-) -> nn.Module:
-    """The composition of an MoE model (or one pipeline stage): CP, TP (the model's own plan), EP, AC,
-    compile, then FSDP with the routed experts as their own groups over the ranks that share them.
-    apply_cp(model, cp_mesh, seq_len=, rotate_method=) and apply_tp(model, tp_mesh, loss_parallel=) are
-    the model's."""
-    pd = parallel_dims
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    check_compile_config(job_config, device_type)
-    compile_model = compiles(job_config, "model")
-    if pd.cp_enabled:
-        apply_cp(model, pd.submesh("cp"), seq_len=job_config.training.seq_len,
-                 rotate_method=job_config.parallelism.context_parallel_rotate_method)
-    if pd.tp_enabled:
-        apply_tp(model, pd.submesh("tp"), loss_parallel=not job_config.parallelism.disable_loss_parallel)
-    experts = apply_ep(model, pd.submesh("ep")) if pd.ep_enabled else []
-    apply_ac(model, job_config.activation_checkpoint, model_compiled=compile_model)
-    if compile_model:
-        apply_compile(model)
-    if pd.fsdp_enabled:
-        t = job_config.training
-        param_dtype, reduce_dtype = fsdp_dtypes(t, device_type)
-        apply_fsdp(
-            model,
-            pd.fsdp_mesh(),
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-            reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
-            cpu_offload=t.enable_cpu_offload,
-            pp_enabled=pd.pp_enabled,
-            expert_modules=experts,
-            expert_mesh=pd.expert_fsdp_mesh() if experts else None,
-        )
-    return model

@@ -40,8 +40,14 @@ def expert_swiglu(
     if use_grouped_mm:
         offsets = counts.cumsum(0).to(torch.int32)
         return _grouped(F.silu(_grouped(x, w1, offsets)) * _grouped(x, w3, offsets), w2, offsets)
+    sizes = counts.tolist()
+    # Under compile the sizes are data-dependent integers: telling the tracer they are sizes that add up to
+    # the token count lets it split without guessing (a guard on them is an error under fullgraph).
+    for size in sizes:
+        torch._check(size >= 0)
+    torch._check(sum(sizes) == x.shape[0])
     out = []
-    for e, xe in enumerate(x.split(counts.tolist())):
+    for e, xe in enumerate(x.split(sizes)):
         out.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
     return torch.cat(out) if out else x.new_zeros(0, w2.shape[1])
 

@@ -90,15 +90,19 @@ class MoE(nn.Module):
         bs, slen, dim = x.shape
         tokens = x.reshape(-1, dim)
         weights, ids, scores = self.router(tokens, self.expert_bias)
-        load = torch.bincount(ids.flatten(), minlength=self.args.num_experts)
-        # Count real forwards once: not an activation-checkpoint recompute (forward again inside the
-        # backward pass), nor a pipeline stage's shape inference.
-        if torch._C._current_graph_task_id() == -1 and not is_shape_only_forward():
-            self.tokens_per_expert.add_(load)
-        order = ids.flatten().argsort(stable=True)
+        flat = ids.flatten()
+        # Not bincount: its length depends on the largest id, which a compiled graph cannot know.
+        load = torch.zeros(self.args.num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
+            0, flat, torch.ones_like(flat)
+        )
+        # The load is counted towards the bias update by add_layer_stats, in the model's forward: outside the
+        # block, so neither an activation-checkpoint recompute nor a compiled graph sees the side effect.
+        order = flat.argsort(stable=True)
         token_of = order // self.args.top_k
         routed = self.token_dispatch(tokens[token_of], load, self.experts)
-        routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
+        # Under autocast (default precision on one rank) the experts' matmuls return bf16 while the tokens
+        # stay fp32: the weighted sum is taken in the tokens' dtype.
+        routed = routed.to(tokens.dtype) * weights.flatten()[order].unsqueeze(-1).to(tokens.dtype)
         out = torch.zeros_like(tokens).index_add_(0, token_of, routed)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x).reshape(-1, dim)
@@ -124,10 +128,17 @@ class MoE(nn.Module):
 
 
 def add_layer_stats(
-    aux_total: torch.Tensor | None, metrics: dict[str, torch.Tensor], layer: str, out: MoEOutput
+    aux_total: torch.Tensor | None, metrics: dict[str, torch.Tensor], layer: str, out: MoEOutput, moe: MoE
 ) -> torch.Tensor | None:
     """Adds one MoE layer's balance loss to the model's total and its load imbalance (max / mean token
-    copies per expert, 1 = balanced) to the model's metrics; returns the new total."""
+    copies per expert, 1 = balanced) to the model's metrics, counts its load in `moe.tokens_per_expert` (the
+    next bias update's input); returns the new total.
+
+    Called by the model's forward between blocks, never inside one: a block runs again in backward under
+    activation checkpointing and is one traced graph under compile, where a side effect would count twice or
+    need an autograd-state check that dynamo cannot trace. A pipeline stage's shape inference does not count."""
+    if not is_shape_only_forward():
+        moe.tokens_per_expert.add_(out.load)
     metrics[f"moe_load_max_over_mean/layer{layer}"] = out.load.max() / out.load.float().mean()
     if out.aux_loss is None:
         return aux_total

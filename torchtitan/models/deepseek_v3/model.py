@@ -17,9 +17,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from torchtitan.models.attention import ScaledDotProductAttention
+from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs, yarn_mscale
-from torchtitan.models.llama3.model import apply_rope
+from torchtitan.models.common.rope import apply_rope_interleaved as apply_rope
+from torchtitan.models.common.rope import rope_table
 from torchtitan.components.moe import MoE, MoEOutput
 from torchtitan.components.moe.moe import SwiGLU, add_layer_stats
 from torchtitan.protocols.model import ModelOutput
@@ -43,8 +44,7 @@ def yarn_rope_cache(args: DeepSeekV3ModelArgs) -> torch.Tensor:
         ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
         freqs = freqs / factor * ramp + freqs * (1 - ramp)
         attention_factor = yarn_mscale(factor, args.mscale) / yarn_mscale(factor, args.mscale_all_dim)
-    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), freqs)
-    return (torch.stack((angles.cos(), angles.sin()), dim=-1) * attention_factor).float()
+    return rope_table(freqs, args.max_seq_len) * attention_factor
 
 
 def _trunc_normal(weight: torch.Tensor, std: float) -> None:
@@ -179,7 +179,7 @@ class DeepSeekV3Model(nn.Module):
         for key, layer in self.layers.items():
             h, moe = layer(h, self.rope_cache, positions)
             if moe is not None:
-                aux_loss = add_layer_stats(aux_loss, metrics, key, moe)
+                aux_loss = add_layer_stats(aux_loss, metrics, key, moe, layer.moe)
         if self.norm is not None:
             h = self.norm(h)
         out = self.output(h) if self.output is not None else h

@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.attention import ScaledDotProductAttention
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.rope import apply_rope_interleaved as apply_rope
+from torchtitan.models.common.rope import rope_table
 from torchtitan.models.llama3.args import RopeScalingArgs, TransformerModelArgs
 
 
@@ -36,20 +38,7 @@ def precompute_rope_cache(
 ) -> torch.Tensor:
     """[max_seq_len, head_dim/2, 2] float32 table of (cos, sin) of position * frequency. Real-valued,
     because complex tensors are poorly supported by DTensor and torch.compile."""
-    freqs = rope_frequencies(head_dim, theta, scaling)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), freqs)
-    return torch.stack((angles.cos(), angles.sin()), dim=-1).float()
-
-
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, S, H, D] by rope rows [S, D/2, 2] or [B, S, D/2, 2] (already gathered by position).
-
-    Meta's convention: adjacent pairs (x0, x1), (x2, x3), ... are complex numbers multiplied by
-    e^{i*angle}; written out in real arithmetic. Computed in fp32 and cast back.
-    """
-    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = rope.float().unsqueeze(-3).unbind(-1)  # insert the head dim so rows broadcast over heads
-    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).type_as(x)
+    return rope_table(rope_frequencies(head_dim, theta, scaling), max_seq_len)
 
 
 def _trunc_normal(weight: torch.Tensor, std: float) -> None:

@@ -20,65 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.attention import ScaledDotProductAttention
+from torchtitan.models.common.qk_norm_attention import QKNormAttention
+from torchtitan.models.common.rope import precompute_rope_cache
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
-
-
-def precompute_rope_cache(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
-    """[max_seq_len, head_dim/2, 2] float32 table of (cos, sin) of position x frequency; frequency j is
-    theta^(-2j/head_dim). Computed in float64 so angles at large positions stay accurate to fp32."""
-    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), freqs)
-    return torch.stack((angles.cos(), angles.sin()), dim=-1).float()
-
-
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, S, H, D] by rope rows [S, D/2, 2] or [B, S, D/2, 2] (already gathered by position).
-
-    Half layout: dims j and j + D/2 form the pair rotated by frequency j. Computed in fp32 and cast back.
-    """
-    x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = rope.float().unsqueeze(-3).unbind(-1)  # insert the head dim so rows broadcast over heads
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 
 
 def _trunc_normal(weight: torch.Tensor, std: float) -> None:
     # nn.init ops work in place on DTensor parameters, so this also initialises FSDP/TP shards.
     nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
-
-
-class Attention(nn.Module):
-    def __init__(self, args: Qwen3ModelArgs):
-        super().__init__()
-        self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        # QK-norm: one weight of head_dim shared by every head, applied per head.
-        self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
-        self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
-        self.inner_attention = ScaledDotProductAttention()
-
-    def init_weights(self, out_std: float) -> None:
-        for w in (self.wq, self.wk, self.wv):
-            _trunc_normal(w.weight, 0.02)
-        _trunc_normal(self.wo.weight, out_std)
-        self.q_norm.reset_parameters()
-        self.k_norm.reset_parameters()
-
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        bs, seqlen, _ = x.shape
-        # Rows are gathered here, where the sequence is whole again (under sequence parallel the block input is
-        # a sequence shard and the attention input the all-gathered sequence).
-        rope = rope_cache[positions] if positions is not None else rope_cache[:seqlen]
-        # Head counts come from the projections' (possibly tensor-parallel-local) widths, hence -1.
-        q = self.q_norm(self.wq(x).view(bs, seqlen, -1, self.head_dim))
-        k = self.k_norm(self.wk(x).view(bs, seqlen, -1, self.head_dim))
-        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
 class FeedForward(nn.Module):
@@ -103,7 +52,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: Qwen3ModelArgs):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = QKNormAttention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.hidden_dim)
         # Smaller init for the projections writing into the residual stream keeps its variance bounded as

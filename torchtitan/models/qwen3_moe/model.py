@@ -1,4 +1,4 @@
-"""Qwen3-MoE: Qwen3's attention (see models/qwen3/model.py) and the shared MoE layer in every block.
+"""Qwen3-MoE: Qwen3's attention (models/common/qk_norm_attention.py) and the shared MoE layer in every block.
 
 Follows protocols.model.ModelProtocol like Qwen3. A whole model returns a ModelOutput (logits, the balance
 loss, per-layer expert load); a pipeline stage returns plain tensors.
@@ -11,7 +11,8 @@ from torch import nn
 
 from torchtitan.components.moe import MoE, MoEOutput
 from torchtitan.components.moe.moe import add_layer_stats
-from torchtitan.models.qwen3.model import Attention, precompute_rope_cache
+from torchtitan.models.common.qk_norm_attention import QKNormAttention
+from torchtitan.models.common.rope import precompute_rope_cache
 from torchtitan.models.qwen3_moe.args import Qwen3MoeModelArgs
 from torchtitan.protocols.model import ModelOutput
 
@@ -24,7 +25,7 @@ class Block(nn.Module):
     def __init__(self, layer_id: int, args: Qwen3MoeModelArgs):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = QKNormAttention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.moe = MoE(args.dim, args.moe)
         self.out_init_std = 0.02 / math.sqrt(2 * (layer_id + 1 if args.depth_init else args.n_layers))
@@ -84,7 +85,7 @@ class Qwen3Moe(nn.Module):
         aux_loss, metrics = None, {}
         for key, layer in self.layers.items():
             h, moe = layer(h, self.rope_cache, positions)
-            aux_loss = add_layer_stats(aux_loss, metrics, key, moe)
+            aux_loss = add_layer_stats(aux_loss, metrics, key, moe, layer.moe)
         if self.norm is not None:
             h = self.norm(h)
         out = self.output(h) if self.output is not None else h

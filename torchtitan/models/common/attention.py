@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.datasets.documents import document_start_index
+from torchtitan.protocols.documents import document_start_index
 
 DOCUMENT_BLOCK = 256
 
