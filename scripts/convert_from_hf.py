@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from torchtitan.components.checkpoint import CheckpointError, write_model_checkpoint  # noqa: E402
 from torchtitan.config import ConfigError  # noqa: E402
-from torchtitan.job_plan import resolve_model  # noqa: E402
+from torchtitan.protocols.train_spec import resolve_model  # noqa: E402
 from torchtitan.protocols.train_spec import config_manager  # noqa: E402
 
 

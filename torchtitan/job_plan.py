@@ -22,7 +22,7 @@ from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims, para
 from torchtitan.distributed.parallel_dims import device_type as parallel_dims_device_type
 from torchtitan.distributed.pipeline import PipelinePlan, plan_model_pipeline
 from torchtitan.job_checks import check_job_values
-from torchtitan.protocols.train_spec import TrainSpec, get_flavor, get_train_spec
+from torchtitan.protocols.train_spec import TrainSpec, resolve_model
 from torchtitan.tools.precision import Precision, resolve_precision
 
 
@@ -42,18 +42,6 @@ class JobPlan:
     pipeline_plan: PipelinePlan | None
     precision: Precision
     """The dtypes the job trains in on its device ("auto" resolved)."""
-
-
-def resolve_model(cfg: JobConfig, tokenizer: object | None = None) -> tuple[TrainSpec, object, object]:
-    """(train spec, tokenizer, model args) of a job: the flavor's shape resized for the job (the tokenizer's
-    vocabulary, room for the recipe's seq_len; see BaseModelArgs.update_from_job). Also used offline
-    (conversion, generation) from a checkpoint's saved config, so a model is rebuilt with exactly the shape
-    it was trained with. A caller without the tokenizer file (the dry run) passes a stand-in `tokenizer` with
-    the `vocab_size` to plan for."""
-    spec = get_train_spec(cfg.model.name)
-    flavor = get_flavor(spec, cfg.model.flavor)
-    tokenizer = tokenizer if tokenizer is not None else spec.build_tokenizer_fn(cfg)
-    return spec, tokenizer, flavor.update_from_job(cfg, tokenizer)
 
 
 def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -> JobPlan:

@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python3 scripts/planning/bench_balanced_pp.py [--flavor debugmodel_tiny4] [--seq-len 256]
 
-Prediction: module FLOPs (torchtitan/planning/balance.py module_flops) summed per stage for both splits;
+Prediction: module FLOPs (torchtitan/distributed/balance.py module_flops) summed per stage for both splits;
 the ratio of the slowest stages. Measurement: the real trainer, PP 2 over gloo, 1F1B, fp32, rounds
 interleaved; median step time of the steps after the first two (scripts/bench_pipeline.py step_times),
 and, in a second run of each, the busiest rank's CPU seconds per step (robust to a shared machine's load).
@@ -26,7 +26,7 @@ from bench_pipeline import step_times  # noqa: E402
 from torchtitan.config.job_config import Parallelism  # noqa: E402
 from torchtitan.distributed.pipeline import module_order, plan_pipeline  # noqa: E402
 from torchtitan.models.llama3 import Transformer, llama3_flavors  # noqa: E402
-from torchtitan.planning.balance import bottleneck, module_flops  # noqa: E402
+from torchtitan.distributed.balance import bottleneck, module_flops  # noqa: E402
 
 
 def output_over_block(flavor: str, seq_len: int) -> float:

@@ -11,7 +11,7 @@ from torchtitan.config.job_config import Parallelism
 from torchtitan.distributed.parallel_dims import LayoutError
 from torchtitan.distributed.pipeline import module_order, plan_pipeline
 from torchtitan.models.llama3 import Transformer, llama3_flavors
-from torchtitan.planning.balance import InfeasibleSplit, balanced_split, bottleneck, module_flops
+from torchtitan.distributed.balance import InfeasibleSplit, balanced_split, bottleneck, module_flops
 
 
 def brute_force(costs, k, memory, limit):

@@ -14,6 +14,7 @@ import torch
 
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.components.moe import MoE, MoEArgs, update_expert_bias
+from torchtitan.components.moe.moe import add_layer_stats
 
 STEPS, WINDOW = 100, 20
 
@@ -32,7 +33,9 @@ def _windowed_max_over_mean(coeff: float) -> float:
     for step in range(STEPS):
         x = 0.5 * mean_direction + torch.randn(2, 128, 16, generator=gen)
         with torch.no_grad():
-            load = moe(x).load.float()
+            out = moe(x)
+            add_layer_stats(None, {}, "0", out, moe)  # what the model's forward does after each MoE block
+            load = out.load.float()
         if step >= STEPS - WINDOW:
             window += load
         update_expert_bias([moe], pd)

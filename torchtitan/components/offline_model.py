@@ -21,7 +21,7 @@ from torchtitan.components.checkpoint import (
 )
 from torchtitan.config import JobConfig
 from torchtitan.protocols.train_spec import config_manager
-from torchtitan.job_plan import resolve_model
+from torchtitan.protocols.train_spec import resolve_model
 
 
 def job_config_of(checkpoint: str, overrides: list[str]) -> JobConfig:

@@ -43,7 +43,7 @@ from torch.distributed.pipelining.schedules import (
 
 from torchtitan.components.loss import loss_value, per_source_loss_sums
 from torchtitan.distributed.parallel_dims import LayoutError
-from torchtitan.planning.balance import InfeasibleSplit, balanced_split, module_flops
+from torchtitan.distributed.balance import InfeasibleSplit, balanced_split, module_flops
 from torchtitan.protocols.model import is_shape_only_forward, shape_only_forward, split_inputs
 
 # Schedules by how many stages each rank holds and where they sit.

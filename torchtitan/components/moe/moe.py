@@ -70,7 +70,7 @@ class MoE(nn.Module):
 
     def active_params_per_token(self) -> int:
         """Weights each token multiplies: the router, the shared experts and top_k routed experts (the
-        pipeline's balanced split weighs stages by this; planning.balance.module_flops)."""
+        pipeline's balanced split weighs stages by this; distributed.balance.module_flops)."""
         one_expert = sum(w[0].numel() for w in (self.experts.w1, self.experts.w2, self.experts.w3))
         shared = 0 if self.shared_experts is None else sum(p.numel() for p in self.shared_experts.parameters())
         return self.router.gate.weight.numel() + shared + self.args.top_k * one_expert

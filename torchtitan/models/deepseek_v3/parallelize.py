@@ -11,13 +11,13 @@ the others `moe`; each entry applies where the block has the module.
 
 from torchtitan.distributed.parallelize import (
     COLWISE,
-    MOE,
     ROWWISE,
     SEQUENCE_PARALLEL,
     GatherInputs,
     ParallelPlan,
     parallelizer,
 )
+from torchtitan.models.common.tp_plans import MOE_FFN, SWIGLU_FFN
 
 DEEPSEEK_V3_PLAN = ParallelPlan(
     block_tp={
@@ -27,12 +27,8 @@ DEEPSEEK_V3_PLAN = ParallelPlan(
         "attention.wq_b": COLWISE,
         "attention.wkv_b": COLWISE,
         "attention.wo": ROWWISE,
-        "ffn_norm": SEQUENCE_PARALLEL,
-        "feed_forward": GatherInputs(),
-        "feed_forward.w1": COLWISE,
-        "feed_forward.w2": ROWWISE,
-        "feed_forward.w3": COLWISE,
-        "moe": MOE,
+        **SWIGLU_FFN,
+        **MOE_FFN,
     },
     tp_grad_sums=("attention.shared_key_grad",),
 )

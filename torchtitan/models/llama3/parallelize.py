@@ -7,24 +7,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed import parallelize as composition
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.parallelize import COLWISE, ROWWISE, SEQUENCE_PARALLEL, GatherInputs, ParallelPlan
+from torchtitan.distributed.parallelize import ParallelPlan
 from torchtitan.distributed.parallelize import apply_cp  # noqa: F401  (looked up per call: tests patch it here)
+from torchtitan.models.common.tp_plans import SWIGLU_FFN, gqa_attention
 
-LLAMA3_PLAN = ParallelPlan(
-    block_tp={
-        "attention_norm": SEQUENCE_PARALLEL,
-        "attention": GatherInputs(num_inputs=4),  # x, rope cache, positions, document ids
-        "attention.wq": COLWISE,
-        "attention.wk": COLWISE,
-        "attention.wv": COLWISE,
-        "attention.wo": ROWWISE,
-        "ffn_norm": SEQUENCE_PARALLEL,
-        "feed_forward": GatherInputs(),
-        "feed_forward.w1": COLWISE,
-        "feed_forward.w2": ROWWISE,
-        "feed_forward.w3": COLWISE,
-    }
-)
+# attention(x, rope cache, positions, document ids)
+LLAMA3_PLAN = ParallelPlan(block_tp={**gqa_attention(num_inputs=4), **SWIGLU_FFN})
 
 
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:

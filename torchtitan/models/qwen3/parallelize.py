@@ -7,32 +7,10 @@ drift. Tied flavors stay tied under TP (the composition calls `tie_weights`); PP
 (Qwen3ModelArgs.update_from_job).
 """
 
-from torchtitan.distributed.parallelize import (
-    COLWISE,
-    HEAD_NORM,
-    ROWWISE,
-    SEQUENCE_PARALLEL,
-    GatherInputs,
-    ParallelPlan,
-    parallelizer,
-)
+from torchtitan.distributed.parallelize import ParallelPlan, parallelizer
+from torchtitan.models.common.tp_plans import QK_NORM, SWIGLU_FFN, gqa_attention
 
-QWEN3_PLAN = ParallelPlan(
-    block_tp={
-        "attention_norm": SEQUENCE_PARALLEL,
-        "attention": GatherInputs(num_inputs=3),  # x, rope cache, positions
-        "attention.wq": COLWISE,
-        "attention.wk": COLWISE,
-        "attention.wv": COLWISE,
-        "attention.q_norm": HEAD_NORM,
-        "attention.k_norm": HEAD_NORM,
-        "attention.wo": ROWWISE,
-        "ffn_norm": SEQUENCE_PARALLEL,
-        "feed_forward": GatherInputs(),
-        "feed_forward.w1": COLWISE,
-        "feed_forward.w2": ROWWISE,
-        "feed_forward.w3": COLWISE,
-    }
-)
+# attention(x, rope cache, positions)
+QWEN3_PLAN = ParallelPlan(block_tp={**gqa_attention(num_inputs=3), **QK_NORM, **SWIGLU_FFN})
 
 parallelize_qwen3 = parallelizer(QWEN3_PLAN)

@@ -2,30 +2,9 @@
 layer in every block, routing its own sequence shard; EP and FSDP's expert groups come from the composition
 (distributed/parallelize.py)."""
 
-from torchtitan.distributed.parallelize import (
-    COLWISE,
-    HEAD_NORM,
-    MOE,
-    ROWWISE,
-    SEQUENCE_PARALLEL,
-    GatherInputs,
-    ParallelPlan,
-    parallelizer,
-)
+from torchtitan.distributed.parallelize import ParallelPlan, parallelizer
+from torchtitan.models.common.tp_plans import MOE_FFN, QK_NORM, gqa_attention
 
-QWEN3_MOE_PLAN = ParallelPlan(
-    block_tp={
-        "attention_norm": SEQUENCE_PARALLEL,
-        "attention": GatherInputs(num_inputs=3),
-        "attention.wq": COLWISE,
-        "attention.wk": COLWISE,
-        "attention.wv": COLWISE,
-        "attention.q_norm": HEAD_NORM,
-        "attention.k_norm": HEAD_NORM,
-        "attention.wo": ROWWISE,
-        "ffn_norm": SEQUENCE_PARALLEL,
-        "moe": MOE,
-    }
-)
+QWEN3_MOE_PLAN = ParallelPlan(block_tp={**gqa_attention(num_inputs=3), **QK_NORM, **MOE_FFN})
 
 parallelize_qwen3_moe = parallelizer(QWEN3_MOE_PLAN)
