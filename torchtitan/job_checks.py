@@ -63,6 +63,7 @@ _RULES = {
     "activation_checkpoint.memory_budget": _fraction(),
     "comm.init_timeout_seconds": _at_least(1),
     "comm.train_timeout_seconds": _at_least(1),
+    "comm.hang_timeout_seconds": _non_negative_number(),  # 0 turns the hang watch off; -1 was taken silently
 }
 
 
@@ -80,6 +81,8 @@ def check_job_values(cfg: JobConfig) -> None:
     for source in sources:
         if not is_dataset_name(source):
             check_shard_folder(source, "train")  # reading the shards (tokenizer hash) is the ranks' job
+            if cfg.validation.enable:  # else found only at the first validation, after the steps before it
+                check_shard_folder(source, "validation")
             continue
         if source not in DATASETS or (source == "local" and not t.dataset_path):
             open_documents(source, t.dataset_path, "train")  # raises its line: unknown name, no dataset_path

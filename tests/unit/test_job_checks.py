@@ -17,6 +17,7 @@ def bad_files(tmp_path_factory):
     (root / "empty.jsonl").write_text("")
     (root / "a_file").write_text("x")
     (root / "data.csv").write_text("text\nhello\n")
+    (root / "shards" / "train").mkdir(parents=True)  # a shard folder written without the validation split
     return root
 
 
@@ -51,6 +52,7 @@ CASES = [
     (["--profiling.profile_freq", "0"], "--profiling.profile_freq must be at least 1, got 0"),
     (["--activation_checkpoint.memory_budget", "1.5"], "--activation_checkpoint.memory_budget must be in [0, 1]"),
     (["--comm.train_timeout_seconds", "0"], "--comm.train_timeout_seconds must be at least 1, got 0"),
+    (["--comm.hang_timeout_seconds", "-1"], "--comm.hang_timeout_seconds must be a number >= 0, got -1"),
     # files
     (["--model.tokenizer_path", "{bad}/notatok.model"], "{bad}/notatok.model is not a SentencePiece tokenizer model"),
     (["--model.tokenizer_path", "{bad}/tokenizer.json"], "{bad}/tokenizer.json is not a Hugging Face tokenizer.json"),
@@ -62,6 +64,7 @@ CASES = [
     (["--training.dataset", "local", "--training.dataset_path", "{bad}/data.csv"],
      "local dataset path {bad}/data.csv must hold json, jsonl, parquet or txt files"),
     (["--training.dataset", "local"], "dataset 'local' needs dataset_path"),
+    (["--training.dataset", "{bad}/shards", "--validation.enable"], "shard folder {bad}/shards has no validation/ split"),
     (["--training.dataset", "c5"], "unknown dataset 'c5': did you mean 'c4'"),
     (["--job.dump_folder", "{bad}/a_file/run"], "--job.dump_folder {bad}/a_file/run cannot be created: "
                                                 "{bad}/a_file is a file, not a folder"),
