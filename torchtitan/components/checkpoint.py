@@ -34,6 +34,7 @@ from torchtitan.config.manager import save_config
 from torchtitan.protocols.state_dict_adapter import HFConfigMismatch
 from torchtitan.tools.logging import logger
 from torchtitan.tools.precision import DTYPES
+from torchtitan.tools.restart import record_progress
 
 
 # DCP's CheckpointException derives from BaseException, so `except Exception` alone would miss it.
@@ -255,6 +256,8 @@ class CheckpointManager:
                 folder = folders.step_folder(self.root, step)
                 self._load_dcp(folder, [k for k in self.states if k not in self.ckpt.exclude_from_loading])
                 self._last_saved_step = step  # the loop does not save this step again
+                if self.rank == 0:
+                    record_progress(resumed_from=step)  # the supervisor's "made progress" baseline
                 logger.info(f"Resumed from {folder}")
                 return True
         path = self.ckpt.initial_load_path
@@ -428,6 +431,7 @@ class CheckpointManager:
             finish_folder(partial, final, self.cfg, info)
             if info["kind"] == "full":
                 logger.info(f"Saved checkpoint {final}")
+                record_progress(saved=info["step"])
                 self._reclaimer.start(protect={info["step"]})
             else:
                 logger.info(f"Saved model-only export {final} (weights for generation and conversion; not resumable)")
