@@ -3,6 +3,7 @@
 import os
 
 from torchtitan.components import checkpoint_folders as folders
+from torchtitan.components.checkpoint_checksums import file_checksum
 
 
 def fake_checkpoint(root, step, payload=b"x" * 100, complete=True):
@@ -14,7 +15,9 @@ def fake_checkpoint(root, step, payload=b"x" * 100, complete=True):
     with open(os.path.join(name, "__0_0.distcp"), "wb") as f:
         f.write(payload)
     if complete:
-        folders.write_manifest(name, {"step": step})
+        # A stand-in for the writer's checksums (ChecksummingWriter computes them while writing).
+        sums = {n: file_checksum(os.path.join(name, n)) for n in os.listdir(name)}
+        folders.write_manifest(name, {"step": step}, sums)
     return name
 
 

@@ -5,8 +5,11 @@
     {root}/step-N.reclaiming  being removed by retention (renamed first, so it can never look complete)
     {root}/export-step-N      model weights only (checkpoint.last_save): for tools, never resumed from
 
-The manifest is written last, once every rank's files are on disk, and lists each file with its size; a
-folder whose files do not match it (truncated copy, half-deleted folder, lost file) is reported as corrupt.
+The manifest is written last, once every rank's files are on disk, and lists each file with its size and
+(format 2 on) its CRC-32, computed while the file was written (checkpoint_checksums.py); a folder whose files
+do not match it (truncated copy, half-deleted folder, lost file, a changed byte) is reported as corrupt. Its
+`format_version` says which of these it records: 1 (absent; sizes only), 2 (sizes and checksums). A newer
+version than FORMAT_VERSION is refused: its meaning is unknown to this code.
 """
 
 import json
@@ -29,6 +32,7 @@ RECLAIMING = ".reclaiming"
 MANIFEST = "manifest.json"
 CONFIG = "config.toml"
 DCP_METADATA = ".metadata"
+FORMAT_VERSION = 2  # 1: sizes only (no format_version key); 2: + per-file content checksums
 
 
 def step_folder(root: str, step: int) -> str:
@@ -75,15 +79,20 @@ def code_version() -> dict:
     return {"git_commit": commit, "torchtitan": torchtitan.__version__, "torch": torch.__version__}
 
 
-def write_manifest(folder: str, info: dict) -> None:
-    """Records every file of a finished checkpoint with its size (the completion marker)."""
+def write_manifest(folder: str, info: dict, checksums: dict[str, str]) -> None:
+    """Records every file of a finished checkpoint with its size and the checksum its writer computed (the
+    completion marker)."""
     files = {}
     for dirpath, _, names in os.walk(folder):
         for name in names:
             path = os.path.join(dirpath, name)
             files[os.path.relpath(path, folder)] = os.path.getsize(path)
     files.pop(MANIFEST, None)
-    manifest = {**info, "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **code_version(), "files": files}
+    missing = sorted(set(files) - set(checksums))
+    if missing:  # every file must be hashed as it is written; a gap here is a bug, not a user error
+        raise RuntimeError(f"checkpoint {folder}: no checksum was recorded for {', '.join(missing)}")
+    manifest = {**info, "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **code_version(), "files": files,
+                "checksums": {k: checksums[k] for k in sorted(files)}, "format_version": FORMAT_VERSION}
     tmp = os.path.join(folder, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
@@ -104,9 +113,13 @@ def problem(folder: str, *, require_manifest: bool = True) -> str | None:
         return None if os.path.isfile(os.path.join(folder, DCP_METADATA)) else "not a DCP checkpoint (no .metadata)"
     try:
         with open(manifest_path) as f:
-            files = json.load(f)["files"]
+            manifest = json.load(f)
+        files = manifest["files"]
     except (OSError, ValueError, KeyError) as e:
         return f"unreadable {MANIFEST} ({type(e).__name__})"
+    newer = newer_format(manifest)
+    if newer:
+        return newer
     for name, size in sorted(files.items()):
         path = os.path.join(folder, name)
         if not os.path.isfile(path):
@@ -115,6 +128,16 @@ def problem(folder: str, *, require_manifest: bool = True) -> str | None:
         if actual != size:
             return f"file {name} has {actual} bytes, {size} were written (truncated or corrupt)"
     return None
+
+
+def newer_format(manifest: dict) -> str | None:
+    """The line refusing a manifest of a format this code does not know, or None."""
+    version = manifest.get("format_version", 1)
+    if isinstance(version, int) and version <= FORMAT_VERSION:
+        return None
+    return (f"checkpoint format {version} was written by a newer torchtitan ({manifest.get('torchtitan', '?')}, "
+            f"commit {manifest.get('git_commit') or '?'}); this code reads formats up to {FORMAT_VERSION}: "
+            f"upgrade torchtitan to load it")
 
 
 def read_manifest(folder: str) -> dict:
@@ -128,11 +151,14 @@ class ResumeChoice:
     skipped: dict[str, str]  # folder name -> problem
 
 
-def choose_resume_step(root: str) -> ResumeChoice:
-    """The newest usable checkpoint; the newer unusable ones are reported, not touched."""
+def choose_resume_step(root: str, content_problem=None) -> ResumeChoice:
+    """The newest usable checkpoint; the newer unusable ones are reported, not touched. `content_problem`
+    (folder -> problem or None) judges the content of a folder whose files have the recorded sizes."""
     skipped = {}
     for step in reversed(named_steps(root)):
         why = problem(step_folder(root, step))
+        if why is None and content_problem is not None:
+            why = content_problem(step_folder(root, step))
         if why is None:
             return ResumeChoice(step, skipped)
         skipped[f"step-{step}"] = why
