@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from torchtitan.components.lr_scheduler import check_schedule
+from torchtitan.components.step_guard import check_guard_config
 from torchtitan.config import JobConfig
 from torchtitan.datasets.dataloader import check_shard_folder, is_dataset_name, parse_mixture
 from torchtitan.datasets.sources import DATASETS, local_data_files, open_documents
@@ -75,6 +76,7 @@ def check_job_values(cfg: JobConfig) -> None:
         if not ok(value):
             raise ValueError(f"--{option} must be {rule}, got {value}")
     check_schedule(cfg.lr_scheduler, cfg.training.steps)
+    check_guard_config(cfg.guard, cfg.checkpoint.enable)
     _check_creatable_folder(cfg.job.dump_folder)
     t = cfg.training
     sources = [s for s, _ in parse_mixture(t.datasets)] if t.datasets else [t.dataset]

@@ -53,6 +53,11 @@ CASES = [
     (["--activation_checkpoint.memory_budget", "1.5"], "--activation_checkpoint.memory_budget must be in [0, 1]"),
     (["--comm.train_timeout_seconds", "0"], "--comm.train_timeout_seconds must be at least 1, got 0"),
     (["--comm.hang_timeout_seconds", "-1"], "--comm.hang_timeout_seconds must be a number >= 0, got -1"),
+    (["--guard.window", "0"], "--guard.window must be at least 1, got 0"),
+    (["--guard.threshold", "-3"], "--guard.threshold must be a positive number (robust standard deviations), got -3"),
+    (["--guard.max_events", "-1"], "--guard.max_events must be 0 (stop at the first event) or more, got -1"),
+    (["--guard.enable", "--guard.action", "rollback"], "--guard.action rollback reloads the last checkpoint: add "
+                                                       "--checkpoint.enable"),
     # files
     (["--model.tokenizer_path", "{bad}/notatok.model"], "{bad}/notatok.model is not a SentencePiece tokenizer model"),
     (["--model.tokenizer_path", "{bad}/tokenizer.json"], "{bad}/tokenizer.json is not a Hugging Face tokenizer.json"),
@@ -82,6 +87,11 @@ def test_preflight_rejects_with_one_line(bad_files, capsys, args, message):
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
     assert message.format(bad=bad_files) in err[0]
+
+
+def test_unknown_guard_action_is_a_config_error(capsys):
+    assert preflight.main(["--world-size", "2", *TINY, "--guard.action", "undo"]) == 2  # the parser's own line
+    assert capsys.readouterr().err.splitlines() == ["error: --guard.action expects one of 'skip', 'rollback', got 'undo'"]
 
 
 def test_preflight_accepts_the_tiny_recipe(tmp_path, capsys):

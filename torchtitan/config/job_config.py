@@ -428,6 +428,31 @@ class Debug:
 
 
 @dataclass
+class Guard:
+    """The spike and non-finite guard (components/step_guard.py): every step the global loss and gradient norm
+    are judged against the last `window` accepted steps; see docs/reliability.md."""
+
+    enable: bool = False
+    """Judge every step; off, a non-finite gradient norm stops the run (as before) and spikes go unnoticed."""
+
+    window: int = 20
+    """Accepted steps the running median and MAD are taken over; spikes are judged once it is full
+    (non-finite values always)."""
+
+    threshold: float = 6.0
+    """A value is a spike when above median + threshold x scale, scale = max(1.4826 x MAD, 1% of |median|)
+    (1.4826 x MAD estimates a standard deviation without being moved by the spikes themselves)."""
+
+    action: Literal["skip", "rollback"] = "skip"
+    """skip: no optimizer update for that step (the LR schedule and the data position advance as usual);
+    rollback: reload the last complete checkpoint and skip the data window of the offending step, then go on
+    (needs --checkpoint.enable)."""
+
+    max_events: int = 3
+    """Events allowed in one run; the next one stops it with one line (0: the first event stops it)."""
+
+
+@dataclass
 class JobConfig:
     # Options that no longer exist -> what replaces them (the config loader's error message names it).
     RETIRED_OPTIONS: ClassVar[dict[str, str]] = {
@@ -451,3 +476,4 @@ class JobConfig:
     comm: Comm = field(default_factory=Comm)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     debug: Debug = field(default_factory=Debug)
+    guard: Guard = field(default_factory=Guard)
