@@ -27,6 +27,7 @@ from torchtitan.components.loss import (
     pop_source_ids,
 )
 from torchtitan.components.metrics import MetricsLogger, throughput_metrics
+from torchtitan.components.replica_check import ReplicaCheck
 from torchtitan.components.step_guard import StepGuard
 from torchtitan.components.train_state import TrainState
 from torchtitan.config import JobConfig
@@ -137,6 +138,10 @@ class Trainer:
         self.guard = StepGuard(cfg.guard) if cfg.guard.enable else None
         self._guard_event = None
         self._skip_data_at: set[int] = set()  # steps whose data window a rollback left out
+        self.replica_check = (
+            ReplicaCheck(cfg.guard.replica_check_interval, cfg.guard.replica_check_action, pd, self.device)
+            if cfg.guard.replica_check_interval > 0 and pd.dp_replicate > 1 else None
+        )
         self.memory = MemoryMonitor(self.device)
         # The peak of the dtype the matmuls really run in: fp8 for float8, fp32 when float8 is emulated.
         compute_dtype = self.converters.matmul_dtype(precision.matmul)
@@ -414,6 +419,8 @@ class Trainer:
                     self.metrics.log(step, metrics)
                     window_start, window_tokens, data_time = time.perf_counter(), 0, 0.0
                     self.memory.reset_peak_stats()
+                if self.replica_check is not None:  # before the save: a drifted replica's state is not saved
+                    self.replica_check.check(step, self.model_parts, self.optimizers)
                 if cfg.validation.enable and (step % cfg.validation.freq == 0 or last):
                     self.validate(step)
                 self.checkpointer.save(step, last=last)

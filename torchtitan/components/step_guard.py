@@ -52,6 +52,8 @@ def check_guard_config(cfg: GuardConfig, checkpoint_enabled: bool) -> None:
         raise ValueError(f"--guard.window must be at least 1, got {cfg.window}")
     if not (math.isfinite(cfg.threshold) and cfg.threshold > 0):
         raise ValueError(f"--guard.threshold must be a positive number (robust standard deviations), got {cfg.threshold}")
+    if cfg.replica_check_interval < 0:
+        raise ValueError(f"--guard.replica_check_interval must be 0 (off) or more, got {cfg.replica_check_interval}")
     if cfg.max_events < 0:
         raise ValueError(f"--guard.max_events must be 0 (stop at the first event) or more, got {cfg.max_events}")
     if cfg.enable and cfg.action == "rollback" and not checkpoint_enabled:

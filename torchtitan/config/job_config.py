@@ -451,6 +451,15 @@ class Guard:
     max_events: int = 3
     """Events allowed in one run; the next one stops it with one line (0: the first event stops it)."""
 
+    replica_check_interval: int = 0
+    """Silent-corruption check (components/replica_check.py): every N steps the data-parallel replicas (HSDP's
+    replicate dim, DDP) compare a fingerprint of their parameters and optimizer state; 0 = off. Independent of
+    `enable`."""
+
+    replica_check_action: Literal["stop", "restart"] = "stop"
+    """On a mismatch, naming the ranks: stop (not restarted by tools/restart.py), or restart (the supervisor
+    restarts the run from the last checkpoint, which every replica reloads alike)."""
+
 
 @dataclass
 class JobConfig:
