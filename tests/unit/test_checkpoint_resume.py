@@ -37,7 +37,7 @@ def copy_run(done_run, tmp_path):
 
 def test_retention_and_export(done_run):
     root = os.path.join(done_run, "checkpoint")
-    assert sorted(os.listdir(root)) == ["export-step-4", "step-3", "step-4"]
+    assert sorted(os.listdir(root)) == ["export-step-4", "step-3", "step-4", folders.VERSIONS]
     for name in ("step-4", "export-step-4"):
         assert folders.problem(os.path.join(root, name)) is None
         assert os.path.isfile(os.path.join(root, name, "config.toml"))

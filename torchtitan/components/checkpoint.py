@@ -239,7 +239,8 @@ class CheckpointManager:
         self.last_blocking_s = 0.0  # how long the last save held up training (for benchmarks and logs)
         self._last_saved_step = -1
         self._in_flight: _InFlight | None = None
-        self._reclaimer = folders.Reclaimer(self.root, self.ckpt.keep_latest_k)
+        self._reclaimer = folders.Reclaimer(self.root, folders.Retention(
+            self.ckpt.keep_latest_k, self.ckpt.keep_every_n_steps, frozenset(self.ckpt.keep_steps)))
         self._async = self.ckpt.enable and self.ckpt.async_mode != "disabled"
         self._stager = None
         self._pg = None
@@ -269,6 +270,11 @@ class CheckpointManager:
     def load(self) -> bool:
         """Resumes from the run folder's checkpoint, else from initial_load_path; False when neither exists."""
         if self.ckpt.enable:
+            self._reclaimer.wait()  # a removal pass under way finishes before a folder is chosen (rollback)
+            if self.rank == 0:
+                self._reclaimer.recover(protect={self.ckpt.load_step})  # a removal a kill interrupted
+            if dist.is_initialized():
+                dist.barrier()
             step = self._resume_step()
             if step is not None:
                 folder = folders.step_folder(self.root, step)

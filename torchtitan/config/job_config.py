@@ -291,6 +291,14 @@ class Checkpoint:
     exclude_from_loading: list[str] = field(default_factory=list)
     """State keys not to load when resuming, e.g. ["dataloader", "lr_scheduler"]."""
 
+    keep_every_n_steps: int = 0
+    """Milestones: besides the keep_latest_k newest, keep every checkpoint whose step is a multiple of this,
+    forever (0: none). Must be a multiple of `interval` (else no saved step is one)."""
+
+    keep_steps: list[int] = field(default_factory=list)
+    """Named steps kept forever besides keep_latest_k, e.g. [1000, 5000]; each must be a saved step (a multiple
+    of `interval`, or training.steps)."""
+
 
 @dataclass
 class Metrics:
