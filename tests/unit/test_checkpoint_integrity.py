@@ -37,6 +37,7 @@ def test_old_checkpoint_resumes_bitwise_then_checksums_guard_the_new_ones(tmp_pa
     manifest = folders.read_manifest(new)
     assert manifest["format_version"] == folders.FORMAT_VERSION == 2
     assert set(manifest["checksums"]) == set(manifest["files"]) == set(os.listdir(new)) - {folders.MANIFEST}
+    assert "checksums_read_back" not in manifest  # every file was hashed on its way to disk
     for name, recorded in manifest["checksums"].items():
         assert file_checksum(os.path.join(new, name)) == recorded, name
     assert not [n for n in os.listdir(new) if n.startswith("checksums-rank-")]  # folded into the manifest

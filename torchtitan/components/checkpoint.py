@@ -167,11 +167,13 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def finish_folder(partial: str, final: str, cfg: JobConfig | None, info: dict, written: dict[str, str]) -> None:
+def finish_folder(
+    partial: str, final: str, cfg: JobConfig | None, info: dict, written: dict[str, str] | None = None
+) -> None:
     """Completes a written checkpoint (rank 0, after every rank's files are on disk): the resolved config (when
     there is one) and the manifest go beside the DCP files, with the checksums the ranks' writers recorded
     (`written`: the coordinator's own, e.g. `.metadata`), then the folder gets its final name atomically."""
-    sums = {**written, **checksums.collect_sidecars(partial)}
+    sums = {**(written or {}), **checksums.collect_sidecars(partial)}
     if cfg is not None:
         text = to_toml(cfg).encode("utf-8")
         with open(os.path.join(partial, folders.CONFIG), "wb") as f:

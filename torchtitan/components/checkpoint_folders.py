@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from torchtitan.components.checkpoint_checksums import file_checksum
 from torchtitan.tools import fault_injection
 from torchtitan.tools.logging import logger
 
@@ -87,18 +88,20 @@ def code_version() -> dict:
 
 def write_manifest(folder: str, info: dict, checksums: dict[str, str]) -> None:
     """Records every file of a finished checkpoint with its size and the checksum its writer computed (the
-    completion marker)."""
+    completion marker). A file no writer hashed (one written by a writer of another kind) is hashed here, by
+    reading it, and listed under `checksums_read_back`; the trainer's own saves list none."""
     files = {}
     for dirpath, _, names in os.walk(folder):
         for name in names:
             path = os.path.join(dirpath, name)
             files[os.path.relpath(path, folder)] = os.path.getsize(path)
     files.pop(MANIFEST, None)
-    missing = sorted(set(files) - set(checksums))
-    if missing:  # every file must be hashed as it is written; a gap here is a bug, not a user error
-        raise RuntimeError(f"checkpoint {folder}: no checksum was recorded for {', '.join(missing)}")
+    read_back = sorted(set(files) - set(checksums))
+    checksums = {**checksums, **{name: file_checksum(os.path.join(folder, name)) for name in read_back}}
     manifest = {**info, "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **code_version(), "files": files,
                 "checksums": {k: checksums[k] for k in sorted(files)}, "format_version": FORMAT_VERSION}
+    if read_back:
+        manifest["checksums_read_back"] = read_back
     tmp = os.path.join(folder, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
