@@ -128,7 +128,7 @@ def _check_sizes(folder: Path, part: dict, dtype: np.dtype) -> None:
             raise ValueError(f"shard part {path} {found}; {_rewrite_hint(folder, part['name'])}")
 
 
-_VERIFIED: set[str] = set()  # parts whose content this process checked (a validation loader reopens them)
+_VERIFIED: set[tuple] = set()  # (path, size, mtime) of files this process checked (a validation loader reopens)
 
 
 def _verify_content(folder: Path, part: dict) -> None:
@@ -136,7 +136,9 @@ def _verify_content(folder: Path, part: dict) -> None:
         return  # written before checksums: sizes only
     for kind, recorded in part["crc32"].items():
         path = folder / f"{part['name']}.{kind}"
-        if str(path) in _VERIFIED:
+        stat = path.stat()
+        key = (str(path), stat.st_size, stat.st_mtime_ns)
+        if key in _VERIFIED:
             continue
         crc = 0
         with open(path, "rb") as f:
@@ -147,7 +149,7 @@ def _verify_content(folder: Path, part: dict) -> None:
                 f"shard part {path} does not match its checksum (crc32 {crc:08x} on disk, {recorded:08x} written): "
                 f"its content changed after pretokenize; {_rewrite_hint(folder, part['name'])}"
             )
-        _VERIFIED.add(str(path))
+        _VERIFIED.add(key)
 
 
 def open_shards(folder: str | os.PathLike[str], tokenizer: Tokenizer) -> ShardSet:

@@ -68,7 +68,7 @@ def record_progress(*, resumed_from: int | None = None, saved: int | None = None
     path = os.path.join(folder, PROGRESS_FILE)
     state = _read_progress(folder)
     if resumed_from is not None:
-        state["resumed_from"] = resumed_from
+        state.setdefault("resumed_from", resumed_from)  # the attempt's start; a later reload (rollback) is not
     if saved is not None:
         state["saved"] = max(saved, state.get("saved", saved))
     try:
