@@ -1,7 +1,7 @@
-"""Retention with milestones on real runs (one process, the tiny fixture model): keep-latest 2 + every 5th over a
-30-step run with async saves every step (each removal pass runs while the next save is being written) leaves
-exactly the expected steps; a SIGKILL in the middle of a removal loses nothing that should be kept, and the
-next start finishes the removal."""
+"""Retention with milestones on a real run (one process, the tiny fixture model): a SIGKILL in the middle of a
+removal loses nothing that should be kept and the next start finishes the removal; then keep-latest 2 + every
+5th over a 30-step run with async saves every step (each removal pass runs while the next save is being
+written) leaves exactly the expected steps."""
 
 import json
 import os
@@ -21,21 +21,12 @@ def listing(root) -> list[str]:
     return sorted(os.listdir(root))
 
 
-def test_keep_latest_two_and_every_fifth_with_async_saves(tmp_path):
-    assert run(tmp_path, *RETAIN, "--checkpoint.async_mode", "async", "--training.steps", "30") == 0
-    root = tmp_path / "checkpoint"
-    assert listing(root) == sorted([f"step-{s}" for s in (5, 10, 15, 20, 25, 29, 30)] + [folders.VERSIONS])
-    for step in (5, 10, 15, 20, 25, 29, 30):
-        assert folders.problem(str(root / f"step-{step}")) is None
-    store = folders.read_store(str(root))
-    assert store["removing"] == [] and sorted(v["step"] for v in store["versions"].values()) == [5, 10, 15, 20,
-                                                                                                 25, 29, 30]
-
-
-def test_sigkill_during_a_removal_loses_nothing(tmp_path):
+def test_keep_latest_two_and_every_fifth_survives_a_kill_in_a_removal(tmp_path):
+    """A run is SIGKILLed while retention removes step-2 (renamed, not yet deleted); its rerun, 30 steps with
+    async saves every step, finishes that removal first and ends with exactly the expected steps."""
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "TORCHTITAN_FAULTS": json.dumps([{"kind": "kill_in_removal", "step": 2}])}
-    argv = [*TINY, *RETAIN, "--training.steps", "12", "--job.dump_folder", str(tmp_path)]
+    argv = [*TINY, *RETAIN, "--training.steps", "30", "--job.dump_folder", str(tmp_path)]
     killed = subprocess.run([sys.executable, "-m", "torchtitan.train", *argv], env=env, capture_output=True,
                             text=True, timeout=600)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
@@ -44,6 +35,10 @@ def test_sigkill_during_a_removal_loses_nothing(tmp_path):
     assert folders.read_store(str(root))["removing"] == ["step-2"]
     assert {3, 4} <= set(folders.named_steps(str(root)))  # what the pass keeps is untouched
 
-    assert run(tmp_path, *RETAIN, "--training.steps", "12") == 0  # the rerun finishes the removal, then trains
-    assert listing(root) == sorted([f"step-{s}" for s in (5, 10, 11, 12)] + [folders.VERSIONS])
-    assert folders.read_store(str(root))["removing"] == []
+    assert run(tmp_path, *RETAIN, "--checkpoint.async_mode", "async", "--training.steps", "30") == 0
+    kept = (5, 10, 15, 20, 25, 29, 30)
+    assert listing(root) == sorted([f"step-{s}" for s in kept] + [folders.VERSIONS])  # no .reclaiming left
+    for step in kept:
+        assert folders.problem(str(root / f"step-{step}")) is None
+    store = folders.read_store(str(root))
+    assert store["removing"] == [] and sorted(v["step"] for v in store["versions"].values()) == list(kept)
