@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from torchtitan.components.lr_scheduler import check_schedule
+from torchtitan.components.step_guard import check_guard_config
 from torchtitan.config import JobConfig
 from torchtitan.datasets.dataloader import check_shard_folder, is_dataset_name, parse_mixture
 from torchtitan.datasets.schedule import mixture_schedule
@@ -66,6 +67,7 @@ _RULES = {
     "activation_checkpoint.memory_budget": _fraction(),
     "comm.init_timeout_seconds": _at_least(1),
     "comm.train_timeout_seconds": _at_least(1),
+    "comm.hang_timeout_seconds": _non_negative_number(),  # 0 turns the hang watch off; -1 was taken silently
 }
 
 
@@ -77,6 +79,8 @@ def check_job_values(cfg: JobConfig) -> None:
         if not ok(value):
             raise ValueError(f"--{option} must be {rule}, got {value}")
     check_schedule(cfg.lr_scheduler, cfg.training.steps)
+    check_guard_config(cfg.guard, cfg.checkpoint.enable)
+    _check_retention(cfg)
     _check_creatable_folder(cfg.job.dump_folder)
     t = cfg.training
     mixture = parse_mixture(t.datasets) if t.datasets else [(t.dataset, 1.0)]
@@ -85,11 +89,30 @@ def check_job_values(cfg: JobConfig) -> None:
     for source in sources:
         if not is_dataset_name(source):
             check_shard_folder(source, "train")  # reading the shards (tokenizer hash) is the ranks' job
+            if cfg.validation.enable:  # else found only at the first validation, after the steps before it
+                check_shard_folder(source, "validation")
             continue
         if source not in DATASETS or (source == "local" and not t.dataset_path):
             open_documents(source, t.dataset_path, "train")  # raises its line: unknown name, no dataset_path
         if source == "local":
             local_data_files(t.dataset_path)  # exists, one format, no empty file; parsing them is the ranks' job
+
+
+def _check_retention(cfg: JobConfig) -> None:
+    """Milestone options that could keep nothing, or that say two things at once."""
+    c = cfg.checkpoint
+    if c.keep_every_n_steps < 0:
+        raise ValueError(f"--checkpoint.keep_every_n_steps must be 0 (no milestones) or more, got {c.keep_every_n_steps}")
+    if (c.keep_every_n_steps or c.keep_steps) and c.keep_latest_k == 0:
+        raise ValueError("--checkpoint.keep_latest_k 0 keeps every checkpoint already; milestones "
+                         "(--checkpoint.keep_every_n_steps / keep_steps) need keep_latest_k > 0")
+    if c.keep_every_n_steps % c.interval:
+        raise ValueError(f"--checkpoint.keep_every_n_steps {c.keep_every_n_steps} would keep no checkpoint: saves "
+                         f"happen every --checkpoint.interval {c.interval} steps; choose a multiple of it")
+    unsaved = [s for s in c.keep_steps if s < 1 or (s % c.interval and s != cfg.training.steps)]
+    if unsaved:
+        raise ValueError(f"--checkpoint.keep_steps {unsaved[0]} is not a saved step (a multiple of "
+                         f"--checkpoint.interval {c.interval}, or --training.steps)")
 
 
 def _check_creatable_folder(folder: str) -> None:

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg)
         trainer.train()
     except USER_ERRORS as e:
-        record_failure(str(e), user_error=True)
+        record_failure(str(e), restartable=getattr(e, "restartable", True), user_error=True)
         if os.environ.get("TORCHTITAN_TRACEBACK"):
             raise
         if int(os.environ.get("RANK", "0")) == 0:

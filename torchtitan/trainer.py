@@ -27,6 +27,8 @@ from torchtitan.components.loss import (
     pop_source_ids,
 )
 from torchtitan.components.metrics import MetricsLogger, throughput_metrics
+from torchtitan.components.replica_check import ReplicaCheck
+from torchtitan.components.step_guard import StepGuard
 from torchtitan.components.train_state import TrainState
 from torchtitan.config import JobConfig
 from torchtitan.config.manager import save_config, to_toml
@@ -133,6 +135,13 @@ class Trainer:
 
         # ---- observability --------------------------------------------------------------------------------
         self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.metrics, self.rank, dataclasses.asdict(cfg))
+        self.guard = StepGuard(cfg.guard) if cfg.guard.enable else None
+        self._guard_event = None
+        self._skip_data_at: set[int] = set()  # steps whose data window a rollback left out
+        self.replica_check = (
+            ReplicaCheck(cfg.guard.replica_check_interval, cfg.guard.replica_check_action, pd, self.device)
+            if cfg.guard.replica_check_interval > 0 and pd.dp_replicate > 1 else None
+        )
         self.memory = MemoryMonitor(self.device)
         # The peak of the dtype the matmuls really run in: fp8 for float8, fp32 when float8 is emulated.
         compute_dtype = self.converters.matmul_dtype(precision.matmul)
@@ -184,6 +193,11 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------------
     def _next_microbatches(self, data_iter: Iterator) -> list[tuple]:
+        step = self.train_state.step + 1
+        if step in self._skip_data_at or fault_injection.skips_data(step):
+            self._skip_data_at.discard(step)
+            for _ in range(self.grad_accum):  # the window of the step a rollback undid is left out
+                next(data_iter)
         return [_to_device(next(data_iter), self.device) for _ in range(self.grad_accum)]
 
     def _reduce_over(self, x: torch.Tensor, dim: str) -> torch.Tensor:
@@ -236,7 +250,7 @@ class Trainer:
             loss_sum += loss_value(loss)
             for k, v in out.metrics.items():
                 model_metrics[k] = model_metrics.get(k, 0) + v.detach() / len(microbatches)
-        fault_injection.point(self.train_state.step + 1)
+        fault_injection.point(self.train_state.step + 1, self.model_parts)
         self.step_clock.ready()
         if self.replicas is not None:
             self.replicas.average_gradients(self.model_parts)
@@ -246,10 +260,14 @@ class Trainer:
             pp_group=self.pipeline.group if self.pipeline is not None else None,
         )
         self._step_lr = self.optimizers.param_groups[0]["lr"]  # the LR this step trained with
+        self._guard_event = None if self.guard is None else self.guard.judge(
+            self.train_state.step + 1, self._reduce_over(loss_sum.detach().clone(), "dp_cp"), grad_norm
+        )
         if self.replicas is None or self.replicas.should_commit(self.train_state.step + 1):
-            self.optimizers.step()
-            for fn in self.post_optimizer_step_fns:
-                fn(self.model_parts, self.parallel_dims)
+            if self._guard_event is None:  # a skipped step leaves weights and optimizer state alone
+                self.optimizers.step()
+                for fn in self.post_optimizer_step_fns:
+                    fn(self.model_parts, self.parallel_dims)
             self.lr_schedulers.step()
         self.optimizers.zero_grad()
         return loss_sum, grad_norm, model_metrics
@@ -352,6 +370,11 @@ class Trainer:
                 data_time += time.perf_counter() - t0
                 self.step_clock.data_loaded()
                 loss, grad_norm, model_metrics = self.train_step(microbatches)
+                if self._guard_event is not None:
+                    self.guard.record(self._guard_event, self.metrics)  # stops the run past max_events
+                    if self._guard_event.action == "rollback":
+                        data_iter = self._rollback(step)
+                        continue
                 self.train_state.step = step
                 self.train_state.tokens_seen += tokens_per_step
                 window_tokens += tokens_per_step
@@ -361,7 +384,7 @@ class Trainer:
                     first_step_s = time.perf_counter() - window_start
                     window_start, window_tokens, data_time = time.perf_counter(), 0, 0.0
                     self.step_clock.reset()
-                if not torch.isfinite(grad_norm):
+                if self.guard is None and not torch.isfinite(grad_norm):
                     raise TrainingError(
                         f"loss or gradients became non-finite at step {step} (local loss {loss.item():.4g}, "
                         f"grad norm {grad_norm.item():.4g}); lower --optimizer.lr, raise --lr_scheduler.warmup_steps "
@@ -397,6 +420,8 @@ class Trainer:
                     self.metrics.log(step, metrics)
                     window_start, window_tokens, data_time = time.perf_counter(), 0, 0.0
                     self.memory.reset_peak_stats()
+                if self.replica_check is not None:  # before the save: a drifted replica's state is not saved
+                    self.replica_check.check(step, self.model_parts, self.optimizers)
                 if cfg.validation.enable and (step % cfg.validation.freq == 0 or last):
                     self.validate(step)
                 self.checkpointer.save(step, last=last)
@@ -413,6 +438,18 @@ class Trainer:
                 logger.info("Training finished")
         self.checkpointer.wait()  # the last save is complete (or its failure reported) when train() returns
         gc.enable()
+
+    def _rollback(self, step: int) -> Iterator:
+        """The guard's rollback: the last complete checkpoint reloaded, `step`'s data window to be skipped when
+        the run gets there again; returns the data iterator to continue with."""
+        self.checkpointer.wait()  # a save in flight completes first: it may be the newest checkpoint
+        if not ckpt.has_checkpoint(self.cfg) or not self.checkpointer.load():
+            raise TrainingError(f"the guard cannot roll back from step {step}: no complete checkpoint yet; lower "
+                                f"--checkpoint.interval or use --guard.action skip")
+        self._skip_data_at.add(step)
+        logger.warning(f"Guard: rolled back to step {self.train_state.step}; the data window of step {step} is "
+                       f"skipped when the run reaches it again")
+        return iter(self.dataloader)
 
     def close(self) -> None:
         if self.replicas is not None:

@@ -2,7 +2,10 @@
 
 Each test runs the real launch path: `python -m torchtitan.tools.restart -- torchrun -m torchtitan.train` on 2
 gloo ranks (FSDP 2, async checkpoints every 2 steps), with three faults of one kind injected at seeded random
-steps (tools/fault_injection.py), one per attempt. The supervisor restarts the job after each fault; every
+steps (tools/fault_injection.py), one per attempt (five SIGKILLs of a rank, checkpoints every step, for
+kill_rank). The supervisor restarts the job after each fault, under its default same-failure limit of 3: each
+attempt completes a newer checkpoint before its fault, so failing the same way again and again is progress,
+not a streak (tools/restart.py); every
 attempt must resume from the newest complete checkpoint (never a `.partial` one), and every step any attempt
 logs must have exactly the loss and grad norm of an uninterrupted run: a skipped or repeated sample, or lost
 optimizer or RNG state, changes the losses that follow. Complete checkpoints are never deleted by a fault.
@@ -110,10 +113,20 @@ def assert_bitwise(runs: list[list[dict]], reference: dict) -> None:
         )
 
 
+KILLS = 5  # kill_rank: more faults than the same-failure limit (3), each after a newer checkpoint
+EXTRA_ARGS = {"kill_rank": ["--checkpoint.interval", "1"]}
+
+
 def fault_plan(kind: str, seed: int) -> list[dict]:
-    """Three faults of `kind` at seeded random steps, one per attempt, each later than the one before (so
-    every attempt gets past the previous fault and makes progress). Write faults hit checkpoint steps."""
+    """Three faults of `kind` (KILLS for kill_rank) at seeded random steps, one per attempt, each later than
+    the one before, so every attempt gets past the previous fault and completes a newer checkpoint before its
+    own: with async saves every step, the attempt that resumes from step r (two behind the step it was killed
+    in, whose save was in flight) completes step r+1 when it saves r+2, so a kill at a later step than the
+    last one, from step 3 on, comes after progress. Write faults hit checkpoint steps."""
     rng = random.Random(seed)
+    if kind == "kill_rank":
+        steps = sorted(rng.sample(range(3, STEPS), KILLS))
+        return [{"kind": kind, "step": s, "attempt": i, "rank": rng.randrange(2)} for i, s in enumerate(steps)]
     candidates = {
         "kill_rank": range(2, STEPS),
         # A SIGTERM stops the run at the next step boundary, unless that is the last step (nothing to resume).
@@ -130,11 +143,9 @@ def test_fault_then_exact_continuation(kind, reference, tmp_path):
                                                                       "disk_full"].index(kind)
     faults = fault_plan(kind, seed)
     folder = str(tmp_path)
-    # Three faults of one kind may well fail the same way three times (every rank SIGKILLed in a write dies
-    # silently, unless a peer happens to report the broken connection first): the supervisor would rightly stop
-    # then. This test is about continuing after each fault, so the streak rule (its own test below) must not
-    # cut it short.
-    result = supervised(torchrun(2, [], folder), faults, same_failure_limit=len(faults) + 1)
+    # Faults of one kind often fail the same way every time (a SIGKILLed rank dies silently): only the progress
+    # each attempt made keeps the default same-failure limit from stopping the run.
+    result = supervised(torchrun(2, EXTRA_ARGS.get(kind, []), folder), faults, max_restarts=len(faults))
     log = result.stdout
     assert result.returncode == 0, f"faults {faults} (seed {seed}):\n{log[-5000:]}"
     assert_bitwise(check_continuation(folder, split_attempts(log, len(faults))), reference)
@@ -145,17 +156,19 @@ def test_fault_then_exact_continuation(kind, reference, tmp_path):
         assert folders.problem(os.path.join(root, f"step-{step}")) is None, sorted(os.listdir(root))
 
 
-def test_same_failure_twice_stops_with_one_line(reference, tmp_path):
-    """A full disk that stays full: the save of step 4 fails on every attempt; after two identical failures the
-    supervisor stops with one line instead of spending its budget, and step-2 is intact."""
+def test_same_failure_without_progress_stops_with_one_line(reference, tmp_path):
+    """A full disk that stays full: the save of step 4 fails on every attempt. The first attempt completed
+    step-2 before failing (progress); the next two resume from step-2 and fail at step 4 again with nothing
+    newer: after those two (the limit) the supervisor stops with one line instead of spending its budget, and
+    step-2 is intact."""
     folder = str(tmp_path)
     faults = [{"kind": "disk_full", "step": 4}]  # every attempt, every rank
     result = supervised(torchrun(2, [], folder), faults, max_restarts=5, same_failure_limit=2)
     log = result.stdout
     assert result.returncode != 0
     stops = [line for line in log.splitlines() if line.startswith("error: the run failed the same way")]
-    assert len(stops) == 1 and "No space left on device" in stops[0], log[-3000:]
-    assert len(re.findall(r"^restart: attempt", log, flags=re.M)) == 1
+    assert len(stops) == 1 and "No space left on device" in stops[0] and "2 times" in stops[0], log[-3000:]
+    assert len(re.findall(r"^restart: attempt", log, flags=re.M)) == 2  # three failures at step 4
     root = os.path.join(folder, "checkpoint")
     assert folders.problem(os.path.join(root, "step-2")) is None
     assert "step-4" not in os.listdir(root)

@@ -37,7 +37,7 @@ def copy_run(done_run, tmp_path):
 
 def test_retention_and_export(done_run):
     root = os.path.join(done_run, "checkpoint")
-    assert sorted(os.listdir(root)) == ["export-step-4", "step-3", "step-4"]
+    assert sorted(os.listdir(root)) == ["export-step-4", "step-3", "step-4", folders.VERSIONS]
     for name in ("step-4", "export-step-4"):
         assert folders.problem(os.path.join(root, name)) is None
         assert os.path.isfile(os.path.join(root, name, "config.toml"))
@@ -130,9 +130,9 @@ def test_corrupt_metadata(done_run, tmp_path, capsys):
     meta = os.path.join(export, ".metadata")
     size = os.path.getsize(meta)
     with open(meta, "wb") as f:
-        f.write(b"\0" * size)  # same size: only reading it can tell
+        f.write(b"\0" * size)  # same size: only its checksum (or reading it) can tell
     assert_refused(capsys, tmp_path, ["--training.steps", "1", "--checkpoint.initial_load_path", export],
-                   f"cannot read checkpoint {export}")
+                   f"--checkpoint.initial_load_path {export}: file .metadata does not match its checksum")
 
 
 def test_model_only_checkpoint_for_a_full_load(done_run, tmp_path, capsys):

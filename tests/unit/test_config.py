@@ -144,7 +144,8 @@ def test_unknown_key_suggests_nearest_in_section(manager):
 def test_unknown_key_suggests_other_sections_holding_it(manager):
     assert error_of(manager, ["--training.lr", "1"]) == "unknown option --training.lr; did you mean --optimizer.lr?"
     message = error_of(manager, ["--training.enable"])
-    assert ("did you mean --validation.enable, --checkpoint.enable, --compile.enable or --fault_tolerance.enable?"
+    assert ("did you mean --validation.enable, --checkpoint.enable, --compile.enable, --fault_tolerance.enable or "
+            "--guard.enable?"
             in message)
 
 

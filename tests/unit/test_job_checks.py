@@ -17,6 +17,7 @@ def bad_files(tmp_path_factory):
     (root / "empty.jsonl").write_text("")
     (root / "a_file").write_text("x")
     (root / "data.csv").write_text("text\nhello\n")
+    (root / "shards" / "train").mkdir(parents=True)  # a shard folder written without the validation split
     return root
 
 
@@ -46,11 +47,23 @@ CASES = [
      "--parallelism.pipeline_parallel_microbatch_size must be at least 1, got 0"),
     (["--checkpoint.interval", "0"], "--checkpoint.interval must be at least 1, got 0"),
     (["--checkpoint.keep_latest_k", "-2"], "--checkpoint.keep_latest_k must be 0 (keep all) or more, got -2"),
+    (["--checkpoint.keep_every_n_steps", "-1"], "--checkpoint.keep_every_n_steps must be 0 (no milestones) or more"),
+    (["--checkpoint.keep_every_n_steps", "5", "--checkpoint.keep_latest_k", "0"],
+     "--checkpoint.keep_latest_k 0 keeps every checkpoint already; milestones"),
+    (["--checkpoint.keep_every_n_steps", "5", "--checkpoint.interval", "2"],
+     "--checkpoint.keep_every_n_steps 5 would keep no checkpoint: saves happen every --checkpoint.interval 2"),
+    (["--checkpoint.keep_steps", "7,10", "--checkpoint.interval", "2"], "--checkpoint.keep_steps 7 is not a saved step"),
     (["--checkpoint.load_step", "-3"], "--checkpoint.load_step must be -1 (the latest checkpoint) or at least 0"),
     (["--metrics.log_freq", "0"], "--metrics.log_freq must be at least 1, got 0"),
     (["--profiling.profile_freq", "0"], "--profiling.profile_freq must be at least 1, got 0"),
     (["--activation_checkpoint.memory_budget", "1.5"], "--activation_checkpoint.memory_budget must be in [0, 1]"),
     (["--comm.train_timeout_seconds", "0"], "--comm.train_timeout_seconds must be at least 1, got 0"),
+    (["--comm.hang_timeout_seconds", "-1"], "--comm.hang_timeout_seconds must be a number >= 0, got -1"),
+    (["--guard.window", "0"], "--guard.window must be at least 1, got 0"),
+    (["--guard.threshold", "-3"], "--guard.threshold must be a positive number (robust standard deviations), got -3"),
+    (["--guard.max_events", "-1"], "--guard.max_events must be 0 (stop at the first event) or more, got -1"),
+    (["--guard.enable", "--guard.action", "rollback"], "--guard.action rollback reloads the last checkpoint: add "
+                                                       "--checkpoint.enable"),
     # files
     (["--model.tokenizer_path", "{bad}/notatok.model"], "{bad}/notatok.model is not a SentencePiece tokenizer model"),
     (["--model.tokenizer_path", "{bad}/tokenizer.json"], "{bad}/tokenizer.json is not a Hugging Face tokenizer.json"),
@@ -62,6 +75,7 @@ CASES = [
     (["--training.dataset", "local", "--training.dataset_path", "{bad}/data.csv"],
      "local dataset path {bad}/data.csv must hold json, jsonl, parquet or txt files"),
     (["--training.dataset", "local"], "dataset 'local' needs dataset_path"),
+    (["--training.dataset", "{bad}/shards", "--validation.enable"], "shard folder {bad}/shards has no validation/ split"),
     (["--training.dataset", "c5"], "unknown dataset 'c5': did you mean 'c4'"),
     (["--job.dump_folder", "{bad}/a_file/run"], "--job.dump_folder {bad}/a_file/run cannot be created: "
                                                 "{bad}/a_file is a file, not a folder"),
@@ -79,6 +93,11 @@ def test_preflight_rejects_with_one_line(bad_files, capsys, args, message):
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
     assert message.format(bad=bad_files) in err[0]
+
+
+def test_unknown_guard_action_is_a_config_error(capsys):
+    assert preflight.main(["--world-size", "2", *TINY, "--guard.action", "undo"]) == 2  # the parser's own line
+    assert capsys.readouterr().err.splitlines() == ["error: --guard.action expects one of 'skip', 'rollback', got 'undo'"]
 
 
 def test_preflight_accepts_the_tiny_recipe(tmp_path, capsys):

@@ -134,3 +134,47 @@ def test_bad_dataset_settings_are_one_clear_error(tok, argv, error, match):
     with pytest.raises(error, match=match):
         build_text_dataloader(tokenizer=tok, job_config=cfg, split="train", dp_rank=0, dp_degree=1,
                               global_batch_size=4, local_batch_size=4, infinite=True)
+
+
+def _damaged_copy(shard_root, tmp_path, damage) -> tuple:
+    """The shards as a train split in a fresh folder, with `damage(path)` done to part-00000's tokens (where
+    the first step's windows are)."""
+    folder = tmp_path / "shards"
+    shutil.copytree(shard_root / "validation", folder / "train")
+    part = folder / "train" / "part-00000.tokens"
+    damage(part)
+    return folder, part
+
+
+def _cut_short(path):
+    path.write_bytes(path.read_bytes()[:-2])
+
+
+def _flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_shard_parts_are_refused_naming_the_part(shard_root, tok, tmp_path, capsys):
+    """A part cut short is refused when the shards are opened (its size); one with a changed byte when it is
+    first read (its CRC-32, written by pretokenize). Through the trainer both stop the run with one line naming
+    the part before the first step."""
+    from tests.unit.checkpoint_helpers import run
+
+    short, short_part = _damaged_copy(shard_root, tmp_path / "a", _cut_short)
+    with pytest.raises(ValueError, match=f"shard part {short_part} has .* bytes, .* were written") as err:
+        open_shards(short / "train", tok)
+    assert "\n" not in str(err.value) and "rerun the same pretokenize command" in str(err.value)
+
+    flipped, flipped_part = _damaged_copy(shard_root, tmp_path / "b", _flip_a_byte)
+    shards = open_shards(flipped / "train", tok)  # sizes are right
+    with pytest.raises(ValueError, match=f"shard part {flipped_part} does not match its checksum"):
+        shards.tokens(0, shards.num_tokens)
+
+    for folder, part, message in ((short, short_part, "bytes"), (flipped, flipped_part, "does not match")):
+        out = folder.parent / "run"
+        assert run(out, "--training.dataset", str(folder), "--training.steps", "4") == 1
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and f"shard part {part} " in errors[0] and message in errors[0], errors
+        assert not (out / "metrics.jsonl").exists() or "loss" not in (out / "metrics.jsonl").read_text()

@@ -16,6 +16,7 @@ import shutil
 import time
 import tomllib
 import warnings
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -28,12 +29,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from torchtitan.components import checkpoint_checksums as checksums
 from torchtitan.components import checkpoint_folders as folders
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import save_config
+from torchtitan.config.manager import to_toml
 from torchtitan.protocols.state_dict_adapter import HFConfigMismatch
 from torchtitan.tools.logging import logger
 from torchtitan.tools.precision import DTYPES
+from torchtitan.tools.restart import record_progress
 
 
 # DCP's CheckpointException derives from BaseException, so `except Exception` alone would miss it.
@@ -164,13 +167,30 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def finish_folder(partial: str, final: str, cfg: JobConfig | None, info: dict) -> None:
+def finish_folder(
+    partial: str, final: str, cfg: JobConfig | None, info: dict, written: dict[str, str] | None = None
+) -> None:
     """Completes a written checkpoint (rank 0, after every rank's files are on disk): the resolved config (when
-    there is one) and the manifest go beside the DCP files, then the folder gets its final name atomically."""
+    there is one) and the manifest go beside the DCP files, with the checksums the ranks' writers recorded
+    (`written`: the coordinator's own, e.g. `.metadata`), then the folder gets its final name atomically."""
+    sums = {**(written or {}), **checksums.collect_sidecars(partial)}
     if cfg is not None:
-        save_config(cfg, os.path.join(partial, folders.CONFIG))
-    folders.write_manifest(partial, info)
+        text = to_toml(cfg).encode("utf-8")
+        with open(os.path.join(partial, folders.CONFIG), "wb") as f:
+            f.write(text)
+        sums[folders.CONFIG] = checksums.format_checksum(zlib.crc32(text))
+    folders.write_manifest(partial, info, sums)
     os.replace(partial, final)
+
+
+def content_problem(folder: str) -> str | None:
+    """Why the files of a checkpoint whose sizes are right do not hold what was written (the manifest's
+    checksums; a checkpoint of format 1 has none and passes), judged by every rank together, or None."""
+    try:
+        recorded = folders.read_manifest(folder).get("checksums")
+    except (OSError, ValueError):
+        return None  # no manifest (a checkpoint from elsewhere): folders.problem judged what can be judged
+    return checksums.verify_share(folder, recorded) if recorded else None
 
 
 def write_model_checkpoint(
@@ -182,13 +202,14 @@ def write_model_checkpoint(
         raise CheckpointError(f"{final} already exists; remove it or choose another output folder")
     partial = final + folders.PARTIAL
     os.makedirs(os.path.dirname(os.path.abspath(final)), exist_ok=True)
-    dcp.save({"model": state_dict}, checkpoint_id=partial, no_dist=True)
-    finish_folder(partial, final, cfg, {**info, "kind": "model"})
+    writer = checksums.ChecksummingWriter(partial, rank=0)
+    dcp.save({"model": state_dict}, checkpoint_id=partial, storage_writer=writer, no_dist=True)
+    finish_folder(partial, final, cfg, {**info, "kind": "model"}, writer.metadata_checksums())
 
 
 class _InFlight:
-    def __init__(self, future, partial: str, final: str, info: dict):
-        self.future, self.partial, self.final, self.info = future, partial, final, info
+    def __init__(self, future, partial: str, final: str, info: dict, writer: checksums.ChecksummingWriter):
+        self.future, self.partial, self.final, self.info, self.writer = future, partial, final, info, writer
 
 
 class CheckpointManager:
@@ -220,7 +241,8 @@ class CheckpointManager:
         self.last_blocking_s = 0.0  # how long the last save held up training (for benchmarks and logs)
         self._last_saved_step = -1
         self._in_flight: _InFlight | None = None
-        self._reclaimer = folders.Reclaimer(self.root, self.ckpt.keep_latest_k)
+        self._reclaimer = folders.Reclaimer(self.root, folders.Retention(
+            self.ckpt.keep_latest_k, self.ckpt.keep_every_n_steps, frozenset(self.ckpt.keep_steps)))
         self._async = self.ckpt.enable and self.ckpt.async_mode != "disabled"
         self._stager = None
         self._pg = None
@@ -250,11 +272,18 @@ class CheckpointManager:
     def load(self) -> bool:
         """Resumes from the run folder's checkpoint, else from initial_load_path; False when neither exists."""
         if self.ckpt.enable:
+            self._reclaimer.wait()  # a removal pass under way finishes before a folder is chosen (rollback)
+            if self.rank == 0:
+                self._reclaimer.recover(protect={self.ckpt.load_step})  # a removal a kill interrupted
+            if dist.is_initialized():
+                dist.barrier()
             step = self._resume_step()
             if step is not None:
                 folder = folders.step_folder(self.root, step)
                 self._load_dcp(folder, [k for k in self.states if k not in self.ckpt.exclude_from_loading])
                 self._last_saved_step = step  # the loop does not save this step again
+                if self.rank == 0:
+                    record_progress(resumed_from=step)  # the supervisor's "made progress" baseline
                 logger.info(f"Resumed from {folder}")
                 return True
         path = self.ckpt.initial_load_path
@@ -265,7 +294,7 @@ class CheckpointManager:
         if self.ckpt.initial_load_in_hf:
             self._load_hf(path)
         else:
-            why = folders.problem(path, require_manifest=False)
+            why = folders.problem(path, require_manifest=False) or content_problem(path)
             if why is not None:
                 raise CheckpointError(f"--checkpoint.initial_load_path {path}: {why}")
             keys = ["model"] if self.ckpt.initial_load_model_only else list(self.states)
@@ -283,11 +312,14 @@ class CheckpointManager:
             )
         if self.ckpt.load_step >= 0:
             folder = folders.step_folder(self.root, self.ckpt.load_step)
-            why = folders.problem(folder)
+            why = folders.problem(folder) or content_problem(folder)
             if why is not None:
                 raise CheckpointError(f"--checkpoint.load_step {self.ckpt.load_step}: {folder} is not usable: {why}")
             return self.ckpt.load_step
-        choice = folders.choose_resume_step(self.root)
+        choice = folders.choose_resume_step(self.root, content_problem)
+        newer = [f"{self.root}/{name}: {why}" for name, why in choice.skipped.items() if "newer torchtitan" in why]
+        if newer:  # resuming an older step instead would redo (and later overwrite) the newer code's work
+            raise CheckpointError(newer[0])
         if self.rank == 0:
             for name, why in choice.skipped.items():
                 logger.warning(f"Skipping checkpoint {self.root}/{name}: {why}; left in place for inspection")
@@ -398,19 +430,21 @@ class CheckpointManager:
         if dist.is_initialized():
             dist.barrier()  # nobody writes into the folder before rank 0 cleared it
         info = {"step": step, "kind": kind, "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+        writer = checksums.ChecksummingWriter(partial, self.rank)  # hashes each file as it is written
         if self._async:
-            future = dcp.async_save(states, checkpoint_id=partial, process_group=self._pg, async_stager=self._stager)
-            self._in_flight = _InFlight(future, partial, final, {**info, "mode": self.ckpt.async_mode})
+            future = dcp.async_save(states, checkpoint_id=partial, storage_writer=writer, process_group=self._pg,
+                                    async_stager=self._stager)
+            self._in_flight = _InFlight(future, partial, final, {**info, "mode": self.ckpt.async_mode}, writer)
             self.last_blocking_s = time.perf_counter() - t0
             logger.info(f"Checkpoint {final}: staged in {self.last_blocking_s:.2f}s, writing in the background")
         else:
             try:
-                dcp.save(states, checkpoint_id=partial, no_dist=not dist.is_initialized())
+                dcp.save(states, checkpoint_id=partial, storage_writer=writer, no_dist=not dist.is_initialized())
             except DCP_ERRORS as e:  # e.g. a full disk: this save fails, the complete checkpoints stay
                 raise CheckpointError(
                     f"save of {final} failed: {type(e).__name__}: {_first_line(e)}; {partial} is left for inspection"
                 ) from e
-            self._finish(partial, final, {**info, "mode": "sync"})
+            self._finish(partial, final, {**info, "mode": "sync"}, writer)
             self.last_blocking_s = time.perf_counter() - t0
 
     def _clear_name(self, partial: str, final: str) -> None:
@@ -423,11 +457,12 @@ class CheckpointManager:
             logger.warning(f"{final} exists (an earlier run's save of this step); moving it to {aside}")
             os.replace(final, aside)
 
-    def _finish(self, partial: str, final: str, info: dict) -> None:
+    def _finish(self, partial: str, final: str, info: dict, writer: checksums.ChecksummingWriter) -> None:
         if self.rank == 0:
-            finish_folder(partial, final, self.cfg, info)
+            finish_folder(partial, final, self.cfg, info, writer.metadata_checksums())
             if info["kind"] == "full":
                 logger.info(f"Saved checkpoint {final}")
+                record_progress(saved=info["step"])
                 self._reclaimer.start(protect={info["step"]})
             else:
                 logger.info(f"Saved model-only export {final} (weights for generation and conversion; not resumable)")
@@ -449,7 +484,7 @@ class CheckpointManager:
                 f"background save of {job.final} failed: {type(e).__name__}: {_first_line(e)}; "
                 f"{job.partial} is left for inspection"
             ) from e
-        self._finish(job.partial, job.final, job.info)
+        self._finish(job.partial, job.final, job.info, job.writer)
 
     def close(self) -> None:
         try:

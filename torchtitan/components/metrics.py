@@ -138,13 +138,16 @@ class MetricsLogger:
             )
             logger.info(f"Weights & Biases run in {self._wandb_run.dir}")
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], console: bool = True) -> None:
+        """One metrics.jsonl row (and TensorBoard / W&B values); `console` False when the caller logs its own
+        line about it (a guard event)."""
         if not self.enabled:
             return
         values = {key: float(value) for key, value in metrics.items()}
         self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
         self._jsonl.flush()
-        logger.info(format_console_line(step, values, self.color))
+        if console:
+            logger.info(format_console_line(step, values, self.color))
         if values.get("mfu_above_100") and not self._warned_mfu:
             logger.warning(mfu_above_100_warning(values))
             self._warned_mfu = True

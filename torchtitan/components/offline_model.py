@@ -17,6 +17,7 @@ from torchtitan.components.checkpoint import (
     CheckpointError,
     ModelWrapper,
     check_shapes,
+    content_problem,
     read_dcp_metadata,
 )
 from torchtitan.config import JobConfig
@@ -62,7 +63,7 @@ def load_model_weights(model: nn.Module, checkpoint: str, hf_adapter=None, model
         check_shapes(f"Hugging Face checkpoint {checkpoint}", {k: v.shape for k, v in full.items()}, shapes, exact=True)
         model.load_state_dict({k: full[k].to(v.dtype) for k, v in expected.items()}, strict=True)
         return
-    why = folders.problem(checkpoint, require_manifest=False)
+    why = folders.problem(checkpoint, require_manifest=False) or content_problem(checkpoint)
     if why is not None:
         raise CheckpointError(f"checkpoint {checkpoint}: {why}")
     saved = read_dcp_metadata(checkpoint).state_dict_metadata

@@ -311,6 +311,14 @@ class Checkpoint:
     exclude_from_loading: list[str] = field(default_factory=list)
     """State keys not to load when resuming, e.g. ["dataloader", "lr_scheduler"]."""
 
+    keep_every_n_steps: int = 0
+    """Milestones: besides the keep_latest_k newest, keep every checkpoint whose step is a multiple of this,
+    forever (0: none). Must be a multiple of `interval` (else no saved step is one)."""
+
+    keep_steps: list[int] = field(default_factory=list)
+    """Named steps kept forever besides keep_latest_k, e.g. [1000, 5000]; each must be a saved step (a multiple
+    of `interval`, or training.steps)."""
+
 
 @dataclass
 class Metrics:
@@ -448,6 +456,40 @@ class Debug:
 
 
 @dataclass
+class Guard:
+    """The spike and non-finite guard (components/step_guard.py): every step the global loss and gradient norm
+    are judged against the last `window` accepted steps; see docs/reliability.md."""
+
+    enable: bool = False
+    """Judge every step; off, a non-finite gradient norm stops the run (as before) and spikes go unnoticed."""
+
+    window: int = 20
+    """Accepted steps the running median and MAD are taken over; spikes are judged once it is full
+    (non-finite values always)."""
+
+    threshold: float = 6.0
+    """A value is a spike when above median + threshold x scale, scale = max(1.4826 x MAD, 1% of |median|)
+    (1.4826 x MAD estimates a standard deviation without being moved by the spikes themselves)."""
+
+    action: Literal["skip", "rollback"] = "skip"
+    """skip: no optimizer update for that step (the LR schedule and the data position advance as usual);
+    rollback: reload the last complete checkpoint and skip the data window of the offending step, then go on
+    (needs --checkpoint.enable)."""
+
+    max_events: int = 3
+    """Events allowed in one run; the next one stops it with one line (0: the first event stops it)."""
+
+    replica_check_interval: int = 0
+    """Silent-corruption check (components/replica_check.py): every N steps the data-parallel replicas (HSDP's
+    replicate dim, DDP) compare a fingerprint of their parameters and optimizer state; 0 = off. Independent of
+    `enable`."""
+
+    replica_check_action: Literal["stop", "restart"] = "stop"
+    """On a mismatch, naming the ranks: stop (not restarted by tools/restart.py), or restart (the supervisor
+    restarts the run from the last checkpoint, which every replica reloads alike)."""
+
+
+@dataclass
 class JobConfig:
     # Options that no longer exist -> what replaces them (the config loader's error message names it).
     RETIRED_OPTIONS: ClassVar[dict[str, str]] = {
@@ -471,3 +513,4 @@ class JobConfig:
     comm: Comm = field(default_factory=Comm)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     debug: Debug = field(default_factory=Debug)
+    guard: Guard = field(default_factory=Guard)

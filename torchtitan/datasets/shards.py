@@ -5,12 +5,18 @@ A shard folder holds one split of one source:
     <folder>/manifest.json          what the shards are: source, tokenizer (name + sha256), dtype, parts
     <folder>/part-00000.tokens      the tokens of documents [0, N), concatenated (raw little-endian uint16/32)
     <folder>/part-00000.docs        int64 end offset of each document inside the part (the document index)
-    <folder>/part-00000.json        written last: marks the part complete (resumable writing)
+    <folder>/part-00000.json        written last: marks the part complete (resumable writing); records the
+                                    part's counts and the CRC-32 of its two files' bytes
 
 Every document is stored as the training stream packs it: BOS, its tokens, EOS. The concatenation of all
 parts in order is the same token stream the raw-text loader builds, so a run reads the same windows from
 shards as from raw text; window w is tokens [w*W, (w+1)*W) of it, read through a memory map without
 touching any other window.
+
+Opening a shard set checks every part's file sizes against its counts (a part cut short is refused in one line
+naming it, before the first step); the first read of a part in a process checks its CRC-32 (a changed byte,
+size unchanged), so every part a rank reads is verified once, just before its first window is used. Parts
+written before the checksums existed are checked for size only.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,11 +60,13 @@ def write_part(folder: Path, index: int, docs: list[list[int]], dtype: np.dtype)
     name = part_name(index)
     tokens = np.fromiter((t for d in docs for t in d), dtype=dtype)
     ends = np.cumsum([len(d) for d in docs], dtype=np.int64)
+    crc = {}
     for suffix, array in ((".tokens", tokens), (".docs", ends)):
         tmp = folder / f"{name}{suffix}.tmp"
         array.tofile(tmp)
+        crc[suffix[1:]] = zlib.crc32(array.tobytes())  # of the bytes written, never read back
         os.replace(tmp, folder / f"{name}{suffix}")
-    meta = {"name": name, "num_docs": len(docs), "num_tokens": int(tokens.size)}
+    meta = {"name": name, "num_docs": len(docs), "num_tokens": int(tokens.size), "crc32": crc}
     tmp = folder / f"{name}.json.tmp"
     tmp.write_text(json.dumps(meta))
     os.replace(tmp, folder / f"{name}.json")
@@ -78,6 +87,8 @@ class ShardSet:
 
     def __post_init__(self) -> None:
         dtype = np.dtype(self.manifest["dtype"])
+        for p in self.manifest["parts"]:
+            _check_sizes(self.folder, p, dtype)
         self._parts = [
             np.memmap(self.folder / f"{p['name']}.tokens", dtype=dtype, mode="r") if p["num_tokens"] else None
             for p in self.manifest["parts"]
@@ -95,11 +106,50 @@ class ShardSet:
         out = []
         part = int(np.searchsorted(self._starts, start, side="right")) - 1
         while count > 0:
+            _verify_content(self.folder, self.manifest["parts"][part])
             local = start - int(self._starts[part])
             chunk = self._parts[part][local : local + count] if self._parts[part] is not None else []
             out.append(np.asarray(chunk, dtype=np.int64))
             start, count, part = start + len(chunk), count - len(chunk), part + 1
         return np.concatenate(out)
+
+
+def _rewrite_hint(folder: Path, name: str) -> str:
+    return (f"rewrite it: delete {folder / name}.json and rerun the same pretokenize command (it rewrites only the "
+            f"parts without their marker)")
+
+
+def _check_sizes(folder: Path, part: dict, dtype: np.dtype) -> None:
+    for suffix, size in ((".tokens", part["num_tokens"] * dtype.itemsize), (".docs", part["num_docs"] * 8)):
+        path = folder / f"{part['name']}{suffix}"
+        actual = path.stat().st_size if path.is_file() else None
+        if actual != size:
+            found = "is missing" if actual is None else f"has {actual} bytes, {size} were written (cut short?)"
+            raise ValueError(f"shard part {path} {found}; {_rewrite_hint(folder, part['name'])}")
+
+
+_VERIFIED: set[tuple] = set()  # (path, size, mtime) of files this process checked (a validation loader reopens)
+
+
+def _verify_content(folder: Path, part: dict) -> None:
+    if "crc32" not in part:
+        return  # written before checksums: sizes only
+    for kind, recorded in part["crc32"].items():
+        path = folder / f"{part['name']}.{kind}"
+        stat = path.stat()
+        key = (str(path), stat.st_size, stat.st_mtime_ns)
+        if key in _VERIFIED:
+            continue
+        crc = 0
+        with open(path, "rb") as f:
+            while chunk := f.read(16 << 20):
+                crc = zlib.crc32(chunk, crc)
+        if crc != recorded:
+            raise ValueError(
+                f"shard part {path} does not match its checksum (crc32 {crc:08x} on disk, {recorded:08x} written): "
+                f"its content changed after pretokenize; {_rewrite_hint(folder, part['name'])}"
+            )
+        _VERIFIED.add(key)
 
 
 def open_shards(folder: str | os.PathLike[str], tokenizer: Tokenizer) -> ShardSet:

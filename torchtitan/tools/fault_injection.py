@@ -11,6 +11,16 @@ when absent), on the rank it names (every rank when absent):
     disk_full      the write of the checkpoint of `step` fails with ENOSPC (a full disk)
     sleep          sleep `seconds` in the middle of `step` (a hang or a straggler; every step when `step`
                    is absent)
+    poison_grad    multiply this rank's gradients by `scale` (a number, or "nan") in the middle of `step`: a
+                   poisoned batch, for the spike guard (components/step_guard.py)
+    drop_grad      drop every gradient (None) in the middle of `step`, so the optimizer leaves the weights and
+                   its state alone: the guard's `skip` without the guard (its reference run)
+    kill_in_removal SIGKILL while retention removes the checkpoint of `step` (renamed to .reclaiming, not yet
+                   deleted, the store's removal intent written)
+    flip_bit       flip bit `bit` (default 0) of the first word of this rank's first parameter shard in the middle
+                   of `step`: silent memory corruption, for the replica check (components/replica_check.py)
+    skip_data      leave `step`'s data window out of the stream (the batches are read and dropped): the
+                   guard's `rollback` without the guard (its reference run)
 
 Without the variable nothing is installed and `point` returns at once: the trainer may call it every step.
 """
@@ -22,7 +32,8 @@ import signal
 import time
 
 _FAULTS: list[dict] = []
-KINDS = ("kill_rank", "kill_in_write", "term_in_write", "disk_full", "sleep")
+KINDS = ("kill_rank", "kill_in_write", "term_in_write", "disk_full", "sleep", "poison_grad", "drop_grad", "skip_data",
+         "flip_bit", "kill_in_removal")
 WRITE_KINDS = ("kill_in_write", "term_in_write", "disk_full")
 
 
@@ -43,15 +54,49 @@ def install(rank: int) -> None:
         _hook_checkpoint_writer()
 
 
-def point(step: int) -> None:
+def point(step: int, model_parts=()) -> None:
     """The mid-step fault point (the trainer calls it between the backward and the optimizer step)."""
     if not _FAULTS:
         return
-    for f in _FAULTS:
+    for f in list(_FAULTS):
         if f["kind"] == "kill_rank" and f["step"] == step:
             os.kill(os.getpid(), signal.SIGKILL)
         if f["kind"] == "sleep" and f.get("step", step) == step:
             time.sleep(f["seconds"])
+        if f["kind"] == "flip_bit" and f["step"] == step:
+            _flip_bit(next(p for m in model_parts for p in m.parameters()), f.get("bit", 0))
+        if f["kind"] in ("poison_grad", "drop_grad") and f["step"] == step:
+            _FAULTS.remove(f)  # once: a step trained again after a rollback gets clean gradients
+            for p in (p for m in model_parts for p in m.parameters() if p.grad is not None):
+                if f["kind"] == "drop_grad":
+                    p.grad = None
+                else:
+                    p.grad.mul_(float(f["scale"]))
+
+
+def _flip_bit(param, bit: int) -> None:
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    local = param.to_local() if isinstance(param, DTensor) else param
+    with torch.no_grad():
+        words = local.view(-1).view(torch.int32)
+        words[0] ^= 1 << bit
+
+
+def removal_point(step: int) -> None:
+    """Called by checkpoint retention while it removes the checkpoint of `step`."""
+    if any(f["kind"] == "kill_in_removal" and f["step"] == step for f in _FAULTS):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def skips_data(step: int) -> bool:
+    """Whether a skip_data fault leaves out `step`'s data window (once)."""
+    for f in _FAULTS:
+        if f["kind"] == "skip_data" and f["step"] == step:
+            _FAULTS.remove(f)
+            return True
+    return False
 
 
 def _hook_checkpoint_writer() -> None:

@@ -6,9 +6,12 @@
 Each attempt is one run of the command (the launcher, i.e. torchrun, with its own --max-restarts 0). A restarted run resumes from
 the last complete checkpoint by itself (the trainer loads the newest complete `step-N` of its run folder), so
 no user action is needed. Between attempts the ranks' failures are compared: a job that fails the same way
-`same_failure_limit` times in a row stops with one line, since restarting cannot help it (a full disk, a
-deterministic crash); a job that fails differently (a killed rank, a lost node) is restarted until the budget
-is spent. A configuration error is never restarted.
+`same_failure_limit` times in a row without progress stops with one line, since restarting cannot help it (a
+full disk, a deterministic crash); a job that fails differently (a killed rank, a lost node) is restarted until
+the budget is spent. Only attempts that made no progress count towards the streak: an attempt that completed a
+checkpoint newer than the one it resumed from (rank 0 says so through `record_progress`) ends any streak, so
+independent failures of a long run at different steps, the same signature every time (a SIGKILLed rank), are
+restarted as long as the budget lasts. A configuration error is never restarted.
 
 How a rank reports its failure: the supervisor sets TORCHTITAN_FAILURE_DIR per attempt and TORCHTITAN_ATTEMPT
 (the launcher sets its own folder when it runs alone); `record_failure` (called by the entry point) writes one
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 FAILURE_DIR_ENV = "TORCHTITAN_FAILURE_DIR"
 ATTEMPT_ENV = "TORCHTITAN_ATTEMPT"
 LAUNCHED_ENV = "TORCHTITAN_LAUNCHED"  # set by torchtitan/launch.py: it prints a rank's user error, the rank does not
+PROGRESS_FILE = "checkpoints.progress"  # not *.json: read_failure reads those as the ranks' reports
 SILENT_DEATH = "a rank died without reporting an error (killed by a signal or crashed) and none of its peers reported one"
 
 
@@ -53,6 +57,41 @@ def record_failure(message: str, *, restartable: bool = True, user_error: bool =
         os.replace(path + ".tmp", path)  # whole or absent: the readers may look while ranks are being killed
     except OSError:
         pass  # reporting must never hide the failure itself
+
+
+def record_progress(*, resumed_from: int | None = None, saved: int | None = None) -> None:
+    """Called by rank 0: the step this attempt resumed from (when it loaded a checkpoint) and the newest
+    complete checkpoint it wrote, for the supervisor's "made progress" judgement."""
+    folder = os.environ.get(FAILURE_DIR_ENV)
+    if not folder:
+        return
+    path = os.path.join(folder, PROGRESS_FILE)
+    state = _read_progress(folder)
+    if resumed_from is not None:
+        state.setdefault("resumed_from", resumed_from)  # the attempt's start; a later reload (rollback) is not
+    if saved is not None:
+        state["saved"] = max(saved, state.get("saved", saved))
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(state, f)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass  # without it the attempt only counts as "no progress": the streak rule stays safe
+
+
+def _read_progress(folder: str) -> dict:
+    try:
+        with open(os.path.join(folder, PROGRESS_FILE)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def made_progress(folder: str) -> bool:
+    """Whether the attempt whose report folder this is completed a checkpoint newer than its starting point."""
+    state = _read_progress(folder)
+    saved = state.get("saved")
+    return saved is not None and saved > state.get("resumed_from", 0)
 
 
 @dataclass
@@ -106,9 +145,15 @@ def run_with_restarts(cmd: list[str], max_restarts: int, same_failure_limit: int
                 failure = read_failure(folder)
                 if not failure.restartable:
                     return code  # the rank said why on its own; a restart would say it again
-                streak = streak + [failure.signature] if streak[-1:] == [failure.signature] else [failure.signature]
+                if made_progress(folder):
+                    streak = []  # it got further than the attempt before: not the same failure again
+                elif streak[-1:] == [failure.signature]:
+                    streak.append(failure.signature)
+                else:
+                    streak = [failure.signature]
                 if len(streak) >= same_failure_limit:
-                    log(f"error: the run failed the same way {len(streak)} times in a row, so it is not restarted "
+                    log(f"error: the run failed the same way {len(streak)} times in a row without progress (no "
+                        f"newer complete checkpoint), so it is not restarted "
                         f"again: {failure.signature}; fix the cause, then rerun the same command to resume")
                     return code
                 if attempt == max_restarts:
@@ -131,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-restarts", type=int, default=3, help="restarts allowed after the first attempt")
     parser.add_argument("--same-failure-limit", type=int, default=3,
-                        help="stop when this many attempts in a row failed the same way")
+                        help="stop when this many attempts in a row failed the same way without completing a newer "
+                             "checkpoint")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command (e.g. torchrun ...)")
     args = parser.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
