@@ -101,6 +101,7 @@ class Trainer:
             self.model_parts = self.pipeline.parts
         else:
             self.model_parts = [self.spec.parallelize_fn(model, pd, cfg)]
+        self.converters.post_parallelize(self.model_parts)
         self._init_weights(seed)
         # Autocast gives mixed precision where FSDP's policy does not apply (no data-parallel sharding).
         param_dtype, mp = precision.param, precision.mixed
@@ -174,6 +175,7 @@ class Trainer:
         if full_init:
             with torch.device("meta"):
                 full = self.spec.model_cls(self.model_args)
+            self.converters.convert(full)  # the same parameters as the parts (e.g. LoRA adapters)
             full.to_empty(device="cpu")
             torch.manual_seed(seed)
             with torch.no_grad():
