@@ -163,7 +163,9 @@ class Trainer:
         initialises shards in place (distinct, but not bit-equal across layouts: use a seed checkpoint)."""
         for m in self.model_parts:
             m.to_empty(device=self.device)
-        from_checkpoint = bool(self.cfg.checkpoint.initial_load_path) or ckpt.has_checkpoint(self.cfg)
+        # A frozen base's checkpoints hold only the trainable weights: the base is initialised again on resume.
+        resumes_weights = ckpt.has_checkpoint(self.cfg) and not ckpt.has_frozen_base(self.model_parts)
+        from_checkpoint = bool(self.cfg.checkpoint.initial_load_path) or resumes_weights
         full_init = not from_checkpoint and self.world_size > 1 and self.device.type == "cpu"
         if not full_init:
             torch.manual_seed(seed)

@@ -469,7 +469,8 @@ class LoRA:
     dropout: float = 0.0
     """Dropout on the adapter's input (training only); 0 keeps runs layout-independent bit for bit."""
 
-    target_modules: list[str] = field(default_factory=lambda: ["layers.*"])
+    target_modules: list[str] = field(default_factory=lambda: ["layers.*.attention.*"])
     """Which linear layers get adapters: fnmatch patterns on the module name (`*` also crosses dots), e.g.
-    ["layers.*.attention.wq", "layers.*.attention.wv"]. Every pattern must match at least one module, and at
+    ["layers.*.attention.wq", "layers.*.attention.wv"] or ["layers.*"] (every linear of the blocks); the
+    default adapts the attention projections. Every pattern must match at least one module, and at
     least one linear layer must be matched."""
