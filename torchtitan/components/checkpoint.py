@@ -320,7 +320,10 @@ class CheckpointManager:
         where = os.path.abspath(path) if path else (
             f"{self.cfg.model.name} {self.cfg.model.flavor} initialised with seed {self.cfg.debug.seed}"
         )
-        self.base_ref = {"path": where, "fingerprint": base_fingerprint(self.model_parts)}
+        dtype = next(p.dtype for m in self.model_parts for p in m.parameters() if not p.requires_grad)
+        self.base_ref = {
+            "path": where, "fingerprint": base_fingerprint(self.model_parts), "dtype": str(dtype).removeprefix("torch.")
+        }
         logger.info(f"Frozen base {where}: fingerprint {self.base_ref['fingerprint'][:16]}")
         return loaded
 
