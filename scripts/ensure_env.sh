@@ -36,8 +36,8 @@ md.version("torchtitan")  # installed (editable) in this environment
 mods = ["torchdata", "tiktoken", "sentencepiece", "datasets", "safetensors", "tensorboard", "wandb", "numpy", "tqdm"]
 mods += ["tomllib" if sys.version_info >= (3, 11) else "tomli"]
 if sys.argv[1] == "test":
-    # float8 (torchao), fault-tolerant replicas (torchft), HF interop (transformers) and plot tests (matplotlib)
-    mods += ["pytest", "torchao", "torchft", "transformers", "matplotlib"]
+    # float8 (torchao), fault-tolerant replicas (torchft), HF interop (transformers, peft) and plot tests (matplotlib)
+    mods += ["pytest", "torchao", "torchft", "transformers", "peft", "matplotlib"]
 sys.exit(0 if all(u.find_spec(m) for m in mods) else 1)
 PY
 then
