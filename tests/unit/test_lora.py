@@ -21,12 +21,17 @@ from torchtitan.train import main
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import convert_to_hf  # noqa: E402
 
-QWEN3 = ["--model.name", "qwen3", "--model.flavor", "debugmodel", "--training.seq_len", "64",
-         "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32", "--debug.seed", "3",
-         "--debug.deterministic", "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "2"]
-# A large step so the adapters move far from zero: the export checks below then compare a real update.
-LORA = QWEN3 + ["--model.converters", "lora", "--lora.rank", "8", "--optimizer.lr", "2e-2",
-                "--lr_scheduler.warmup_steps", "1"]
+QWEN3 = ["--model.name", "qwen3", "--model.flavor", "debugmodel", "--training.seq_len", "32",
+         "--training.local_batch_size", "1", "--training.mixed_precision_param", "float32", "--debug.seed", "3",
+         "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "2"]
+LORA_OPTIONS = ["--model.converters", "lora", "--lora.rank", "8"]
+# Resume and export on the tiny flavor; a large step so the adapters move far from zero and the export
+# checks below compare a real update.
+TINY_RUN = ["--model.name", "qwen3", "--model.flavor", "debugmodel_tiny", "--training.seq_len", "32",
+            "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32", "--debug.seed", "3",
+            "--debug.deterministic", "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "2",
+            "--model.converters", "lora", "--lora.rank", "8", "--lora.target_modules", "layers.*",
+            "--optimizer.lr", "2e-2", "--lr_scheduler.warmup_steps", "1"]
 TINY = ["--model.name", "qwen3", "--model.flavor", "debugmodel_tiny", "--training.seq_len", "32",
         "--training.local_batch_size", "2", "--training.steps", "1", "--model.converters", "lora"]
 
@@ -65,28 +70,29 @@ def _copy_step(run, step, folder):
     shutil.copytree(run / "checkpoint" / f"step-{step}", folder / "checkpoint" / f"step-{step}")
 
 
-@pytest.fixture(scope="module")
-def lora_run(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("lora")
-    _run(folder, LORA, 4)
-    return folder
-
-
-def test_lora_checkpoint_is_small_and_names_its_base(lora_run, tmp_path):
-    _run(tmp_path, QWEN3, 1)
-    full = _bytes(tmp_path / "checkpoint" / "step-1")
-    lora = _bytes(lora_run / "checkpoint" / "step-2")
+def test_lora_checkpoint_of_the_qwen3_debug_model_is_small_and_names_its_base(tmp_path):
+    _run(tmp_path / "full", QWEN3, 1)
+    _run(tmp_path / "lora", QWEN3 + LORA_OPTIONS, 1)
+    full = _bytes(tmp_path / "full" / "checkpoint" / "step-1")
+    lora = _bytes(tmp_path / "lora" / "checkpoint" / "step-1")
     print(f"Qwen3 debugmodel checkpoint bytes: full {full:,}, LoRA rank 8 on the attention projections {lora:,} "
           f"({100 * lora / full:.2f}%)")
     assert lora <= 0.05 * full
-    with open(lora_run / "checkpoint" / "step-2" / "manifest.json") as f:
+    with open(tmp_path / "lora" / "checkpoint" / "step-1" / "manifest.json") as f:
         base = json.load(f)["base"]
     assert "seed 3" in base["path"] and len(base["fingerprint"]) == 64
 
 
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lora")
+    _run(folder, TINY_RUN, 4)
+    return folder
+
+
 def test_lora_run_resumes_bitwise(lora_run, tmp_path):
     _copy_step(lora_run, 2, tmp_path)
-    _run(tmp_path, LORA, 4)
+    _run(tmp_path, TINY_RUN, 4)
     straight, resumed = _losses(lora_run), _losses(tmp_path)
     assert sorted(resumed) == [3, 4]
     assert [resumed[s] for s in (3, 4)] == [straight[s] for s in (3, 4)]
@@ -95,7 +101,7 @@ def test_lora_run_resumes_bitwise(lora_run, tmp_path):
 def test_resume_against_another_base_is_refused_in_one_line(lora_run, tmp_path, capsys):
     _copy_step(lora_run, 2, tmp_path)
     # Another seed initialises another base model.
-    assert main(LORA + ["--training.steps", "4", "--debug.seed", "4", "--job.dump_folder", str(tmp_path)]) == 1
+    assert main(TINY_RUN + ["--training.steps", "4", "--debug.seed", "4", "--job.dump_folder", str(tmp_path)]) == 1
     err = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("error")]
     assert len(err) == 1 and "was trained on base" in err[0] and "has fingerprint" in err[0], err
 
