@@ -132,3 +132,18 @@ def test_merged_and_peft_exports_give_the_adapted_logits(lora_run, tmp_path):
     with torch.no_grad():
         _logits_close(merged(tokens).logits, adapted)
         _logits_close(with_adapters(tokens).logits, adapted)
+
+
+def test_shipped_sft_set_is_rebuilt_by_its_script_and_holds_out_unseen_answers(tmp_path):
+    import build_sft_data
+    from torchtitan.datasets.sources import open_documents
+
+    shipped = build_sft_data.OUT
+    build_sft_data.build(build_sft_data.CORPUS, tmp_path / "qa.jsonl.gz")
+    assert (tmp_path / "qa.jsonl.gz").read_bytes() == shipped.read_bytes()
+    assert shipped.stat().st_size < 1_000_000
+    train = list(open_documents("chat", str(shipped), "train").iter_from(0))
+    held_out = list(open_documents("chat", str(shipped), "validation").iter_from(0))
+    assert len(held_out) == 30 and len(train) == 2970
+    trained_answers = {r["completion"] for r in train}
+    assert not any(r["completion"] in trained_answers for r in held_out)
