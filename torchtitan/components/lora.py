@@ -190,12 +190,3 @@ class LoRAConverter:
         for m in model_parts:
             for name, p in m.named_parameters():
                 p.requires_grad_(name.rsplit(".", 1)[-1] in ADAPTER_NAMES)
-
-
-def _build(job_config: JobConfig, parallel_dims: ParallelDims, device: torch.device) -> LoRAConverter:
-    return LoRAConverter(job_config, parallel_dims, device)
-
-
-from torchtitan.components.quantization import register_model_converter  # noqa: E402
-
-register_model_converter("lora", _build)
