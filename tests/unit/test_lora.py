@@ -29,8 +29,7 @@ LORA_OPTIONS = ["--model.converters", "lora", "--lora.rank", "8"]
 # checks below compare a real update.
 TINY_RUN = ["--model.name", "qwen3", "--model.flavor", "debugmodel_tiny", "--training.seq_len", "32",
             "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32", "--debug.seed", "3",
-            "--debug.deterministic", "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "2",
-            "--model.converters", "lora", "--lora.rank", "8", "--lora.target_modules", "layers.*",
+            "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "2", "--model.converters", "lora", "--lora.rank", "8", "--lora.target_modules", "layers.*",
             "--optimizer.lr", "2e-2", "--lr_scheduler.warmup_steps", "1"]
 TINY = ["--model.name", "qwen3", "--model.flavor", "debugmodel_tiny", "--training.seq_len", "32",
         "--training.local_batch_size", "2", "--training.steps", "1", "--model.converters", "lora"]

@@ -64,10 +64,11 @@ class LoRAMixin:
 def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copies a whole tensor into a parameter, sharded or not (each rank keeps its own shard)."""
     full = full.to(dtype=param.dtype)
-    if isinstance(param, DTensor):
-        full = distribute_tensor(full.to(param.device_mesh.device_type), param.device_mesh, param.placements,
-                                 src_data_rank=None)
-    param.copy_(full.to(param.device) if not isinstance(param, DTensor) else full)
+    if isinstance(param, DTensor):  # src_data_rank None: every rank slices its shard, no communication
+        mesh = param.device_mesh
+        param.copy_(distribute_tensor(full.to(mesh.device_type), mesh, param.placements, src_data_rank=None))
+    else:
+        param.copy_(full.to(param.device))
 
 
 _MIXED: dict[type, type] = {}
