@@ -36,8 +36,9 @@ md.version("torchtitan")  # installed (editable) in this environment
 mods = ["torchdata", "tiktoken", "sentencepiece", "datasets", "safetensors", "tensorboard", "wandb", "numpy", "tqdm"]
 mods += ["tomllib" if sys.version_info >= (3, 11) else "tomli"]
 if sys.argv[1] == "test":
-    # float8 (torchao), fault-tolerant replicas (torchft), HF interop (transformers) plot tests (matplotlib) and the layer contract (import-linter)
-    mods += ["pytest", "torchao", "torchft", "transformers", "matplotlib", "importlinter"]
+    # float8 (torchao), fault-tolerant replicas (torchft), HF interop (transformers, peft), plot tests (matplotlib)
+    # and the layer contract (import-linter)
+    mods += ["pytest", "torchao", "torchft", "transformers", "peft", "matplotlib", "importlinter"]
 sys.exit(0 if all(u.find_spec(m) for m in mods) else 1)
 PY
 then

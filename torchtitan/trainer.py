@@ -103,6 +103,7 @@ class Trainer:
             self.model_parts = self.pipeline.parts
         else:
             self.model_parts = [self.spec.parallelize_fn(model, pd, cfg)]
+        self.converters.post_parallelize(self.model_parts)
         self._init_weights(seed)
         # Autocast gives mixed precision where FSDP's policy does not apply (no data-parallel sharding).
         param_dtype, mp = precision.param, precision.mixed
@@ -171,7 +172,9 @@ class Trainer:
         initialises shards in place (distinct, but not bit-equal across layouts: use a seed checkpoint)."""
         for m in self.model_parts:
             m.to_empty(device=self.device)
-        from_checkpoint = bool(self.cfg.checkpoint.initial_load_path) or ckpt.has_checkpoint(self.cfg)
+        # A frozen base's checkpoints hold only the trainable weights: the base is initialised again on resume.
+        resumes_weights = ckpt.has_checkpoint(self.cfg) and not ckpt.has_frozen_base(self.model_parts)
+        from_checkpoint = bool(self.cfg.checkpoint.initial_load_path) or resumes_weights
         full_init = not from_checkpoint and self.world_size > 1 and self.device.type == "cpu"
         if not full_init:
             torch.manual_seed(seed)
@@ -183,6 +186,7 @@ class Trainer:
         if full_init:
             with torch.device("meta"):
                 full = self.spec.model_cls(self.model_args)
+            self.converters.convert(full)  # the same parameters as the parts (e.g. LoRA adapters)
             full.to_empty(device="cpu")
             torch.manual_seed(seed)
             with torch.no_grad():

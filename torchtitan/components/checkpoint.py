@@ -10,6 +10,7 @@ training, and writes in a background thread; `async_with_pinned_mem` stages into
 (CUDA). At most one save is in flight; a folder is renamed from `.partial` only after its write finished.
 """
 
+import hashlib
 import io
 import os
 import shutil
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from torchtitan.components import checkpoint_checksums as checksums
 from torchtitan.components import checkpoint_folders as folders
@@ -51,15 +53,21 @@ class CheckpointError(RuntimeError):
 
 
 class ModelWrapper(Stateful):
-    """The model parts of this rank as one FQN-keyed state dict (pipeline parts hold disjoint keys)."""
+    """The model parts of this rank as one FQN-keyed state dict (pipeline parts hold disjoint keys); `part`
+    "trainable" or "frozen" keeps only those parameters (a fine-tune on a frozen base saves the trainable ones)."""
 
-    def __init__(self, model_parts: list[nn.Module]):
+    def __init__(self, model_parts: list[nn.Module], part: str = "all"):
         self.model_parts = model_parts
+        self.part = part
 
     def state_dict(self) -> dict:
         sd = {}
         for m in self.model_parts:
-            sd.update(get_model_state_dict(m))
+            full = get_model_state_dict(m)
+            if self.part != "all":
+                keep = trainable_names(m) if self.part == "trainable" else set(full) - trainable_names(m)
+                full = {k: v for k, v in full.items() if k in keep}
+            sd.update(full)
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
@@ -102,12 +110,46 @@ class RNGState(Stateful):
             torch.cuda.set_rng_state(states["cuda"])
 
 
-def load_full_state_dict(model_parts: list[nn.Module], full_sd: dict) -> None:
-    """Distributes a full (unsharded, identical on every rank) state dict into sharded model parts."""
+def _state_dict_name(name: str) -> str:
+    """A parameter's name as state dicts give it: without the compile and AC wrappers' prefixes."""
+    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+def trainable_names(model: nn.Module) -> set[str]:
+    return {_state_dict_name(n) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def has_frozen_base(model_parts: list[nn.Module]) -> bool:
+    """Whether some parameters are frozen (e.g. a LoRA run): checkpoints then hold only the trainable ones and
+    refer to the base by path and fingerprint, and the base is loaded again on resume."""
+    return any(not p.requires_grad for m in model_parts for p in m.parameters())
+
+
+def base_fingerprint(model_parts: list[nn.Module]) -> str:
+    """sha256 over every frozen parameter's full value (name, dtype, shape, bytes): the same for the same base
+    under any layout. Sharded parameters are gathered one at a time; pipeline stages' digests are combined
+    over all ranks. Collective: every rank calls it."""
+    digests = {}
+    for m in model_parts:
+        for name, t in ModelWrapper([m], "frozen").state_dict().items():
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            h = hashlib.sha256(f"{name} {full.dtype} {list(full.shape)}".encode())
+            h.update(full.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            digests[name] = h.hexdigest()
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, digests)
+        digests = {k: v for d in everyone for k, v in d.items()}
+    return hashlib.sha256("".join(f"{k}={v};" for k, v in sorted(digests.items())).encode()).hexdigest()
+
+
+def load_full_state_dict(model_parts: list[nn.Module], full_sd: dict, strict: bool = True) -> None:
+    """Distributes a full (unsharded, identical on every rank) state dict into sharded model parts; `strict`
+    False leaves the parameters it lacks as they are (a frozen base's adapters)."""
     for m in model_parts:
         keys = set(get_model_state_dict(m).keys())
         part = {k: v for k, v in full_sd.items() if k in keys}
-        set_model_state_dict(m, part, options=StateDictOptions(full_state_dict=True, strict=True))
+        set_model_state_dict(m, part, options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
 def checkpoint_root(cfg: JobConfig) -> str:
@@ -220,7 +262,13 @@ class CheckpointManager:
         self.cfg = cfg
         self.ckpt = cfg.checkpoint
         self.root = checkpoint_root(cfg)
-        self.model = ModelWrapper(model_parts)
+        # With a frozen base (LoRA) a checkpoint holds the trainable parameters and refers to the base, which
+        # is loaded from initial_load_path (or initialised) again on resume; exports hold every weight.
+        self.frozen_base = has_frozen_base(model_parts)
+        self.whole_model = ModelWrapper(model_parts)
+        self.model = ModelWrapper(model_parts, "trainable") if self.frozen_base else self.whole_model
+        self.base_model = ModelWrapper(model_parts, "frozen") if self.frozen_base else self.whole_model
+        self.base_ref: dict | None = None  # {"path", "fingerprint"} of the base, once loaded
         self.model_parts = model_parts
         self.hf_adapter = hf_adapter
         self.model_args = model_args  # what an HF folder's config.json must describe (initial_load_in_hf)
@@ -270,7 +318,8 @@ class CheckpointManager:
 
     # ---- loading ----------------------------------------------------------------------------------------
     def load(self) -> bool:
-        """Resumes from the run folder's checkpoint, else from initial_load_path; False when neither exists."""
+        """Resumes from the run folder's checkpoint, else from initial_load_path; False when neither exists.
+        With a frozen base, the base is loaded first and its fingerprint must be the one the checkpoint names."""
         if self.ckpt.enable:
             self._reclaimer.wait()  # a removal pass under way finishes before a folder is chosen (rollback)
             if self.rank == 0:
@@ -280,12 +329,50 @@ class CheckpointManager:
             step = self._resume_step()
             if step is not None:
                 folder = folders.step_folder(self.root, step)
+                if self.frozen_base:
+                    self._load_base()
+                    self._check_base(folder)
                 self._load_dcp(folder, [k for k in self.states if k not in self.ckpt.exclude_from_loading])
                 self._last_saved_step = step  # the loop does not save this step again
                 if self.rank == 0:
                     record_progress(resumed_from=step)  # the supervisor's "made progress" baseline
                 logger.info(f"Resumed from {folder}")
                 return True
+        if self.frozen_base:
+            return self._load_base()
+        return self._load_initial()
+
+    def _load_base(self) -> bool:
+        """The frozen base: initial_load_path's weights (or the model's own init), then its fingerprint."""
+        loaded = self._load_initial()
+        path = self.ckpt.initial_load_path
+        where = os.path.abspath(path) if path else (
+            f"{self.cfg.model.name} {self.cfg.model.flavor} initialised with seed {self.cfg.debug.seed}"
+        )
+        dtype = next(p.dtype for m in self.model_parts for p in m.parameters() if not p.requires_grad)
+        self.base_ref = {
+            "path": where, "fingerprint": base_fingerprint(self.model_parts), "dtype": str(dtype).removeprefix("torch.")
+        }
+        logger.info(f"Frozen base {where}: fingerprint {self.base_ref['fingerprint'][:16]}")
+        return loaded
+
+    def _check_base(self, folder: str) -> None:
+        theirs = folders.read_manifest(folder).get("base")
+        if theirs is None:
+            raise CheckpointError(
+                f"checkpoint {folder} holds a whole model, but this run freezes a base and trains adapters "
+                f"(--model.converters {','.join(self.cfg.model.converters)}): resume it without them, or start "
+                f"the fine-tune in a new --job.dump_folder"
+            )
+        if theirs["fingerprint"] != self.base_ref["fingerprint"]:
+            raise CheckpointError(
+                f"checkpoint {folder} was trained on base {theirs['path']} (fingerprint "
+                f"{theirs['fingerprint'][:16]}) but this run's base {self.base_ref['path']} has fingerprint "
+                f"{self.base_ref['fingerprint'][:16]}: resume with --checkpoint.initial_load_path {theirs['path']} "
+                f"(and the same model options), or start a new --job.dump_folder"
+            )
+
+    def _load_initial(self) -> bool:
         path = self.ckpt.initial_load_path
         if not path:
             return False
@@ -297,8 +384,8 @@ class CheckpointManager:
             why = folders.problem(path, require_manifest=False) or content_problem(path)
             if why is not None:
                 raise CheckpointError(f"--checkpoint.initial_load_path {path}: {why}")
-            keys = ["model"] if self.ckpt.initial_load_model_only else list(self.states)
-            self._load_dcp(path, [k for k in keys if k not in self.ckpt.exclude_from_loading])
+            keys = ["model"] if self.ckpt.initial_load_model_only or self.frozen_base else list(self.states)
+            self._load_dcp(path, [k for k in keys if k not in self.ckpt.exclude_from_loading], model=self.base_model)
         logger.info(f"Loaded initial weights from {path}")
         return True
 
@@ -347,10 +434,10 @@ class CheckpointManager:
             )
         return choice.step
 
-    def _expected_model_shapes(self) -> dict[str, torch.Size]:
-        return {k: v.shape for k, v in self.model.state_dict().items()}  # DTensor shapes are the global ones
-
-    def _load_dcp(self, path: str, keys: list[str]) -> None:
+    def _load_dcp(self, path: str, keys: list[str], model: ModelWrapper | None = None) -> None:
+        """Loads `keys` of the training state from a DCP folder; `model` replaces the model state (the base
+        alone, when a fine-tune starts from a whole-model checkpoint)."""
+        states = {**self.states, "model": model or self.model}
         saved = read_dcp_metadata(path).state_dict_metadata
         for key in keys:
             if not any(k.startswith(key + ".") for k in saved):
@@ -373,9 +460,11 @@ class CheckpointManager:
         if "model" in keys:
             saved_model = {k[len("model.") :]: m.size for k, m in saved.items() if k.startswith("model.")}
             whole_model = self.cfg.parallelism.pipeline_parallel_degree == 1  # a stage holds only some weights
-            check_shapes(f"checkpoint {path}", saved_model, self._expected_model_shapes(), exact=whole_model)
+            whole_model = whole_model and model is None  # a base is loaded from a checkpoint that may hold more
+            expected = {k: v.shape for k, v in states["model"].state_dict().items()}  # DTensors: global shapes
+            check_shapes(f"checkpoint {path}", saved_model, expected, exact=whole_model)
         try:
-            dcp.load({k: self.states[k] for k in keys}, checkpoint_id=path, no_dist=not dist.is_initialized())
+            dcp.load({k: states[k] for k in keys}, checkpoint_id=path, no_dist=not dist.is_initialized())
         except DCP_ERRORS as e:  # DCP raises many types; the user needs the folder and the cause
             raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: {_first_line(e)}") from e
 
@@ -392,11 +481,13 @@ class CheckpointManager:
             raise CheckpointError(
                 f"cannot read Hugging Face checkpoint {path}: {type(e).__name__}: {_first_line(e)}"
             ) from e
-        expected = self.model.state_dict()
+        expected = self.base_model.state_dict()
         whole_model = self.cfg.parallelism.pipeline_parallel_degree == 1
         check_shapes(f"Hugging Face checkpoint {path}", {k: v.shape for k, v in full.items()},
                      {k: v.shape for k, v in expected.items()}, exact=whole_model)
-        load_full_state_dict(self.model_parts, {k: full[k].to(v.dtype) for k, v in expected.items()})
+        load_full_state_dict(
+            self.model_parts, {k: full[k].to(v.dtype) for k, v in expected.items()}, strict=not self.frozen_base
+        )
 
     # ---- saving -----------------------------------------------------------------------------------------
     def save(self, step: int, *, last: bool = False, force: bool = False) -> None:
@@ -417,7 +508,7 @@ class CheckpointManager:
             self._write(folders.step_folder(self.root, step), self.states, step, "full")
         if export:
             dtype = DTYPES[self.ckpt.export_dtype]
-            model = {k: v.to(dtype) for k, v in self.model.state_dict().items()}
+            model = {k: v.to(dtype) for k, v in self.whole_model.state_dict().items()}
             self._write(folders.export_folder(self.root, step), {"model": model}, step, "export")
         self._last_saved_step = step
 
@@ -431,6 +522,8 @@ class CheckpointManager:
             dist.barrier()  # nobody writes into the folder before rank 0 cleared it
         info = {"step": step, "kind": kind, "world_size": dist.get_world_size() if dist.is_initialized() else 1}
         writer = checksums.ChecksummingWriter(partial, self.rank)  # hashes each file as it is written
+        if self.base_ref is not None and kind == "full":
+            info["base"] = self.base_ref  # what the adapters were trained on; resume checks it
         if self._async:
             future = dcp.async_save(states, checkpoint_id=partial, storage_writer=writer, process_group=self._pg,
                                     async_stager=self._stager)

@@ -514,3 +514,26 @@ class JobConfig:
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     debug: Debug = field(default_factory=Debug)
     guard: Guard = field(default_factory=Guard)
+    lora: "LoRA" = field(default_factory=lambda: LoRA())
+
+
+@dataclass
+class LoRA:
+    """Low-rank adapters (`--model.converters lora`, see docs/fine_tuning.md): each targeted linear layer y = W x
+    becomes y = W x + (alpha / rank) B A x with A [rank, in] and B [out, rank] trainable and everything else
+    frozen. B starts at zero, so step 0 computes exactly the base model."""
+
+    rank: int = 8
+    """Rank of each adapter (1 to the smaller dimension of every targeted layer)."""
+
+    alpha: float = 16.0
+    """Scale numerator: the update is multiplied by alpha / rank (peft's lora_alpha)."""
+
+    dropout: float = 0.0
+    """Dropout on the adapter's input (training only); 0 keeps runs layout-independent bit for bit."""
+
+    target_modules: list[str] = field(default_factory=lambda: ["layers.*.attention.*"])
+    """Which linear layers get adapters: fnmatch patterns on the module name (`*` also crosses dots), e.g.
+    ["layers.*.attention.wq", "layers.*.attention.wv"] or ["layers.*"] (every linear of the blocks); the
+    default adapts the attention projections. Every pattern must match at least one module, and at
+    least one linear layer must be matched."""

@@ -5,6 +5,8 @@ A converter is built from the job config, the layout and the device (`build(job_
 which raises ValueError with one clear line when the combination cannot run) and provides:
   convert(model)                     swaps modules in place; must log what it changed
   post_optimizer_hook(model_parts)   runs after every optimizer step (e.g. precomputed float8 scales)
+  post_parallelize(model_parts)      runs once the parts are parallelised, before the optimizer is built (e.g.
+                                     LoRA re-freezes the base: TP styles re-create parameters as trainable)
   matmul_dtype                       the dtype its matmuls really run in, for the MFU peak (None = unchanged)
 
 To add one, write a module that calls `register_model_converter(name, builder)` and import it below.
@@ -27,6 +29,8 @@ class ModelConverter(Protocol):
     def convert(self, model: nn.Module) -> None: ...
 
     def post_optimizer_hook(self, model_parts: list[nn.Module]) -> None: ...
+
+    def post_parallelize(self, model_parts: list[nn.Module]) -> None: ...
 
 
 ConverterBuilder = Callable[[JobConfig, ParallelDims, torch.device], ModelConverter]
@@ -54,6 +58,10 @@ class ModelConverters:
         for c in self.converters:
             c.post_optimizer_hook(model_parts)
 
+    def post_parallelize(self, model_parts: list[nn.Module]) -> None:
+        for c in self.converters:
+            c.post_parallelize(model_parts)
+
     def matmul_dtype(self, default: torch.dtype) -> torch.dtype:
         """The dtype the model's matmuls run in after conversion (the last converter that sets one wins)."""
         for c in self.converters:
@@ -73,3 +81,6 @@ def build_model_converters(job_config: JobConfig, parallel_dims: ParallelDims, d
 
 # Importing a converter module registers it.
 from torchtitan.components.quantization import float8  # noqa: E402,F401
+from torchtitan.components.lora import LoRAConverter  # noqa: E402
+
+register_model_converter("lora", LoRAConverter)  # not quantization, but a converter: registered here

@@ -142,6 +142,9 @@ class Float8Converter:
             for m in model_parts:
                 self.ao.precompute_float8_dynamic_scale_for_fsdp(m)
 
+    def post_parallelize(self, model_parts: list[nn.Module]) -> None:
+        pass
+
 
 def _build(job_config: JobConfig, parallel_dims: ParallelDims, device: torch.device) -> Float8Converter:
     return Float8Converter(job_config, parallel_dims, device)
