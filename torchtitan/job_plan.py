@@ -22,7 +22,8 @@ from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims, para
 from torchtitan.distributed.parallel_dims import device_type as parallel_dims_device_type
 from torchtitan.distributed.pipeline import PipelinePlan, plan_model_pipeline
 from torchtitan.job_checks import check_job_values
-from torchtitan.protocols.train_spec import TrainSpec, get_flavor, get_train_spec
+from torchtitan.model_shape import base_model_args
+from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
 from torchtitan.tools.precision import Precision, resolve_precision
 
 
@@ -45,13 +46,14 @@ class JobPlan:
 
 
 def resolve_model(cfg: JobConfig, tokenizer: object | None = None) -> tuple[TrainSpec, object, object]:
-    """(train spec, tokenizer, model args) of a job: the flavor's shape resized for the job (the tokenizer's
+    """(train spec, tokenizer, model args) of a job: the flavor's shape (or --model.hf_config's, with
+    --model.overrides; see model_shape.py) resized for the job (the tokenizer's
     vocabulary, room for the recipe's seq_len; see BaseModelArgs.update_from_job). Also used offline
     (conversion, generation) from a checkpoint's saved config, so a model is rebuilt with exactly the shape
     it was trained with. A caller without the tokenizer file (the dry run) passes a stand-in `tokenizer` with
     the `vocab_size` to plan for."""
     spec = get_train_spec(cfg.model.name)
-    flavor = get_flavor(spec, cfg.model.flavor)
+    flavor = base_model_args(spec, cfg)  # the flavor or --model.hf_config, with --model.overrides
     tokenizer = tokenizer if tokenizer is not None else spec.build_tokenizer_fn(cfg)
     return spec, tokenizer, flavor.update_from_job(cfg, tokenizer)
 

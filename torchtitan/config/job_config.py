@@ -42,6 +42,17 @@ class Model:
     print_after_conversion: bool = False
     """Print the model after converters ran."""
 
+    hf_config: str | None = None
+    """A Hugging Face model folder (or its config.json) whose config gives the model's shape instead of
+    --model.flavor: every key is read or refused in one line. Typically the folder of
+    --checkpoint.initial_load_path with --checkpoint.initial_load_in_hf. A checkpoint's saved config.toml
+    records the resolved shape (as overrides), so it reloads without the folder."""
+
+    overrides: list[str] = field(default_factory=list)
+    """Fields of the model args set on top of the flavor (or hf_config), as FIELD=VALUE, e.g.
+    ["n_layers=4", "rope_scaling.factor=4.0", "moe.top_k=2"]; dotted names reach nested settings, `none`
+    clears an optional one. Unknown fields and values of the wrong type are refused."""
+
 
 @dataclass
 class Training:

@@ -104,6 +104,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, floa
         )
     if top:
         parallelize_module(model, tp_mesh, top)
+        model.tie_weights()  # the styles registered new Parameters; a tied model shares one again
     # The output projection and the embedding keep the plain styles: float8 leaves them in high precision.
     colwise, rowwise, prepare_input = _tp_styles(float8)
     for block in model.layers.values():
