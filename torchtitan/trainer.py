@@ -127,6 +127,7 @@ class Trainer:
             train_state=self.train_state,
             hf_adapter=self.spec.state_dict_adapter,
             model_args=self.model_args,
+            tokenizer=self.tokenizer,
         )
         self.replicas = (
             fault_tolerance.Replicas(cfg.fault_tolerance, self.checkpointer.states, self.rank, self.world_size, self.device)

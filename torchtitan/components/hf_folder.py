@@ -172,6 +172,15 @@ def load_hf_into(state_dict: dict[str, torch.Tensor], folder: str, adapter: Stat
                 local.copy_(read_box(reader, layout, offsets, sizes).to(local.dtype))
 
 
+def load_hf_folder(folder: str, adapter_cls: type[StateDictAdapter], expected=None) -> tuple[dict[str, torch.Tensor], object]:
+    """(every tensor under our names, the folder's args), one process. With `expected` (the args the job
+    trains), the folder's config is compared with them first (StateDictAdapter.check_hf_config)."""
+    args = adapter_cls.args_from_hf(folder)
+    if expected is not None:
+        adapter_cls.check_hf_config(folder, args, expected)
+    return read_hf_state_dict(folder, adapter_cls, args), args
+
+
 def read_hf_state_dict(folder: str, adapter_cls: type[StateDictAdapter], args) -> dict[str, torch.Tensor]:
     """Every tensor of an HF folder under our names (one process; for conversion to DCP)."""
     adapter = adapter_cls(args)

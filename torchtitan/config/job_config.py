@@ -281,11 +281,14 @@ class Checkpoint:
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
     """Save in the background: async, or async with pinned-memory staging (CUDA only)."""
 
-    last_save: Literal["full", "full_and_export", "export_only"] = "full"
+    last_save: Literal["full", "full_and_export", "export_only", "full_and_hf", "hf_only"] = "full"
     """What the last step writes: `full` = the whole training state (`step-N`; rerunning with more
     --training.steps extends the run); `full_and_export` = that and the model weights alone (`export-step-N`,
     in export_dtype, for generation and conversion); `export_only` = the export alone (smaller, but the run
-    cannot be extended: a rerun refuses and names the options that continue from the export's weights)."""
+    cannot be extended: a rerun refuses and names the options that continue from the export's weights);
+    `full_and_hf` / `hf_only` = the whole state and / or a Hub-ready Hugging Face folder (`hf-step-N`:
+    safetensors in export_dtype split at hf_max_shard_mb with save_pretrained's index, config.json,
+    generation_config.json, tokenizer files), written from the sharded ranks without gathering the model."""
 
     export_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the model-only export (export-step-N)."""
@@ -301,6 +304,13 @@ class Checkpoint:
 
     exclude_from_loading: list[str] = field(default_factory=list)
     """State keys not to load when resuming, e.g. ["dataloader", "lr_scheduler"]."""
+
+    hf_interval: int = 0
+    """Also write a Hugging Face folder (`hf-step-N`, see last_save) every N steps; 0 = only as last_save says."""
+
+    hf_max_shard_mb: int = 5000
+    """Size limit of one safetensors file in Hugging Face folders written by the run (save_pretrained's
+    max_shard_size, in MB of 10^6 bytes); a larger model is split into model-0000i-of-0000n.safetensors."""
 
 
 @dataclass

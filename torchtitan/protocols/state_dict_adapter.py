@@ -1,12 +1,12 @@
 """The base class of a model's Hugging Face adapter: state dicts and configs both ways, and HF folders.
 
-A subclass implements the four conversions; folder I/O (safetensors, single or sharded, `config.json`) is
-shared. `check_hf_config` compares what a folder's config says with the args the job will train, so a
-folder of another model (another shape, rope theta, norm eps, ...) is refused in one line instead of loading
-into a silently different model.
+A subclass implements the four conversions and, where to_hf moves elements within a tensor, `hf_layout`;
+folder I/O (safetensors, single or sharded, read and written slice by slice) is components/hf_folder.py.
+`check_hf_config` compares what a folder's config says with the args the job will train, so a folder of
+another model (another shape, rope theta, norm eps, ...) is refused in one line instead of loading into a
+silently different model.
 """
 
-import json
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from torchtitan.protocols.hf_config import UnsupportedHFConfig, read_config_file
 
@@ -87,31 +86,9 @@ class StateDictAdapter(ABC):
             )
         return cls.from_hf_config(config, where)
 
-    @classmethod
-    def save_hf(
-        cls, state_dict: dict[str, torch.Tensor], args: Any, folder: str, dtype: torch.dtype = torch.bfloat16
-    ) -> None:
-        """Write `config.json` + a single `model.safetensors`; `state_dict` holds full tensors, our FQNs."""
-        os.makedirs(folder, exist_ok=True)
-        hf = cls(args).to_hf(state_dict)
-        tensors = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in hf.items()}
-        save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(cls.to_hf_config(args, dtype), f, indent=2)
-
     # config.json keys that do not change what the model computes. max_position_embeddings only bounds the
     # positions a model may be given (the RoPE table length), so a longer or shorter one is the same model.
     HF_CONFIG_NOT_COMPARED = frozenset({"architectures", "model_type", "dtype", "torch_dtype", "max_position_embeddings"})
-
-    @classmethod
-    def load_hf(cls, folder: str, expected: Any = None) -> tuple[dict[str, torch.Tensor], Any]:
-        """(state dict with our FQNs, args) of an HF folder; tensors keep their stored dtype. With `expected`
-        (the args the job will train), the folder's config is checked against them first (check_hf_config)."""
-        config = read_hf_config(folder)
-        args = cls.args_from_hf(folder)
-        if expected is not None:
-            cls.check_hf_config(folder, args, expected)
-        return cls(args).from_hf(read_hf_tensors(folder, config)), args
 
     @classmethod
     def check_hf_config(cls, folder: str, args: Any, expected: Any) -> None:
@@ -143,24 +120,3 @@ def _leaves(config: dict) -> dict:
     for key, value in config.items():
         flat.update(_leaves(value) if isinstance(value, dict) else {key: value})
     return flat
-
-
-def read_hf_config(folder: str) -> dict:
-    return read_config_file(folder)
-
-
-def read_hf_tensors(folder: str, config: dict) -> dict[str, torch.Tensor]:
-    """Every tensor of a folder's safetensors files (single or sharded by an index). Tied embeddings are
-    untied by copying the embedding into `lm_head.weight` when the folder does not store it."""
-    index_path = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.exists(index_path):
-        with open(index_path) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    hf: dict[str, torch.Tensor] = {}
-    for name in files:
-        hf.update(load_file(os.path.join(folder, name)))
-    if config.get("tie_word_embeddings") and "lm_head.weight" not in hf:
-        hf["lm_head.weight"] = hf["model.embed_tokens.weight"].clone()
-    return hf
