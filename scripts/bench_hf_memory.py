@@ -78,10 +78,11 @@ def _load(rank, world_size, args, folder):
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
     model = _sharded_model(args, world_size)
+    state = get_model_state_dict(model)
     before = rss_mb()
     reset_peak()
     t0 = time.perf_counter()
-    load_hf_into(get_model_state_dict(model), folder, Llama3StateDictAdapter(args))
+    load_hf_into(state, folder, Llama3StateDictAdapter(args))
     return before, peak_mb(), time.perf_counter() - t0
 
 
@@ -117,7 +118,7 @@ print(before, peak_mb(), time.perf_counter() - t0)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dim", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--layers", type=int, default=17)
     p.add_argument("--vocab", type=int, default=2048, help="the shipped tokenizer's, which conversion resizes to")
     p.add_argument("--folder", default="/tmp/hf-mem-bench")
     a = p.parse_args()
@@ -139,7 +140,7 @@ def main() -> None:
     write_model_checkpoint(os.path.join(a.folder, "dcp"), model.state_dict(), None, {"step": 0})
     del model
     file_mb = n_params * 2 / 2**20
-    print(f"Llama {n_params / 1e6:.0f}M parameters: {file_mb:.0f} MB in bf16 ({len(os.listdir(hf)) - 5} safetensors "
+    print(f"Llama {n_params / 1e6:.0f}M parameters: {file_mb:.0f} MB in bf16 ({sum(f.endswith('.safetensors') for f in os.listdir(hf))} safetensors "
           f"files), fp32 model {n_params * 4 / 2**20:.0f} MB, largest tensor {largest / 2**20:.0f} MB (fp32)")
     print(f"CPU: {cpu_name()}, torch {torch.__version__}\n")
     print("| phase | ranks | RSS before (MB) | peak (MB) | peak - before (MB) | bound (MB) | within | time (s) |")

@@ -34,7 +34,7 @@ from torchtitan.protocols.state_dict_adapter import HFLayout, StateDictAdapter
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-PART_BYTES = 256 * 2**20
+PART_BYTES = 64 * 2**20
 """A rank's slices are written in parts of at most this many bytes (plus one tensor): the constant of the
 save's memory bound."""
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default max_shard_size ("5GB")
