@@ -9,10 +9,12 @@ checkpointing, the optimizer settings (Muon), the model converters (Float8) and 
 
 import dataclasses
 import inspect
+import os
 
 import torch
 import torch.nn as nn
 
+from torchtitan.components.hf_folder import weight_files
 from torchtitan.components.muon import check_muon_config
 from torchtitan.components.quantization import ModelConverters, build_model_converters
 from torchtitan.config import JobConfig
@@ -65,6 +67,9 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
     """
     check_job_values(cfg)
     spec, tokenizer, model_args = resolve_model(cfg, tokenizer)
+    ckpt = cfg.checkpoint
+    if ckpt.initial_load_in_hf and ckpt.initial_load_path and os.path.isdir(ckpt.initial_load_path):
+        weight_files(ckpt.initial_load_path)  # a truncated file or an index naming a missing one: one line, now
     pd = parallel_dims_from_config(cfg.parallelism, world_size)
     pd.check_model(model_args.divisible_by())
     t = cfg.training

@@ -11,7 +11,7 @@ import torch
 
 from torchtitan.components.hf_folder import load_hf_folder, save_hf_folder
 from torchtitan.config import ConfigError, save_config
-from torchtitan.job_plan import resolve_model
+from torchtitan.job_plan import plan_job, resolve_model
 from torchtitan.model_shape import pin_model_shape
 from torchtitan.protocols.hf_config import UnsupportedHFConfig
 from torchtitan.protocols.train_spec import config_manager
@@ -135,6 +135,12 @@ def test_bad_folders_get_one_line_and_nothing_written(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
         assert not out.exists()
+    # The pre-flight check (plan_job) finds a damaged initial_load_in_hf folder before any rank starts.
+    for folder in (truncated, missing):
+        cfg = config_manager().parse_args(["--model.hf_config", str(llama), "--checkpoint.initial_load_path",
+                                           str(folder), "--checkpoint.initial_load_in_hf"])
+        with pytest.raises(ValueError, match="is truncated|which is missing"):
+            plan_job(cfg, 1)
     # the good folder converts, and its DCP checkpoint records the shape
     assert convert_from_hf.main([str(llama), str(tmp_path / "dcp")]) == 0
     (tmp_path / "nonempty").mkdir()
