@@ -9,10 +9,12 @@ checkpointing, the optimizer settings (Muon), the model converters (Float8) and 
 
 import dataclasses
 import inspect
+import os
 
 import torch
 import torch.nn as nn
 
+from torchtitan.components.hf_folder import weight_files
 from torchtitan.components.muon import check_muon_config
 from torchtitan.components.quantization import ModelConverters, build_model_converters
 from torchtitan.config import JobConfig
@@ -22,7 +24,8 @@ from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims, para
 from torchtitan.distributed.parallel_dims import device_type as parallel_dims_device_type
 from torchtitan.distributed.pipeline import PipelinePlan, plan_model_pipeline
 from torchtitan.job_checks import check_job_values
-from torchtitan.protocols.train_spec import TrainSpec, resolve_model
+from torchtitan.protocols.model_shape import resolve_model
+from torchtitan.protocols.train_spec import TrainSpec
 from torchtitan.tools.precision import Precision, resolve_precision
 
 
@@ -51,6 +54,9 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
     """
     check_job_values(cfg)
     spec, tokenizer, model_args = resolve_model(cfg, tokenizer)
+    ckpt = cfg.checkpoint
+    if ckpt.initial_load_in_hf and ckpt.initial_load_path and os.path.isdir(ckpt.initial_load_path):
+        weight_files(ckpt.initial_load_path)  # a truncated file or an index naming a missing one: one line, now
     pd = parallel_dims_from_config(cfg.parallelism, world_size)
     pd.check_model(model_args.divisible_by())
     t = cfg.training

@@ -14,7 +14,7 @@ import sys
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m torchtitan.plan", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama3")
-    ap.add_argument("--flavor", required=True)
+    ap.add_argument("--flavor", default=None, help="a registered size (or give --hf-config)")
     ap.add_argument("--devices", type=int, required=True)
     ap.add_argument("--device-type", default="H100-80GB")
     ap.add_argument("--seq-len", type=int, required=True)
@@ -28,10 +28,17 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--memory-headroom", type=float, default=0.0,
                     help="fraction of the device's memory a layout must leave free, e.g. 0.1 for room the estimator "
                          "does not model on your device (see scripts/gpu/check_memory_estimate.py); default 0")
+    ap.add_argument("--hf-config", default=None,
+                    help="a Hugging Face folder (or config.json) giving the shape instead of --flavor")
+    ap.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
+                    help="set a field of the model args (repeatable), e.g. --override n_layers=40")
     ap.add_argument("--float8", action="store_true", help="train with tensorwise Float8 linears")
     ap.add_argument("--float8-all-gather", action="store_true", help="FSDP all-gathers Float8 weights in float8")
     ap.add_argument("--async-tp", action="store_true", help="train with async tensor parallel (needs compile)")
     a = ap.parse_args(argv)
+    if not a.flavor and not a.hf_config:
+        ap.error("give --flavor or --hf-config")
+    a.flavor = a.flavor or f"({a.hf_config})"
     import dataclasses
 
     from torchtitan.errors import USER_ERRORS
@@ -39,11 +46,12 @@ def main(argv: list[str]) -> int:
     from torchtitan.planning.memory import ModelShape
     from torchtitan.planning.planner import Features, explain, parse_model_parallel, plan_layouts
     from torchtitan.planning.step_time import DEFAULT_MFU
-    from torchtitan.protocols.train_spec import get_flavor, get_train_spec
+    from torchtitan.protocols.model_shape import model_args_for
+    from torchtitan.protocols.train_spec import get_train_spec
 
     try:
         device = get_device(a.device_type)
-        args = get_flavor(get_train_spec(a.model), a.flavor)
+        args = model_args_for(get_train_spec(a.model), a.flavor, a.hf_config, a.override)
         if a.vocab_size:
             args = dataclasses.replace(args, vocab_size=a.vocab_size)
         shape = ModelShape.from_args(args)

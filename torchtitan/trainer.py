@@ -37,6 +37,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.context_parallel import shard_batch
 from torchtitan.errors import TrainingError
 from torchtitan.job_plan import plan_job
+from torchtitan.protocols.model_shape import pin_model_shape
 from torchtitan.protocols.model import ModelOutput, as_model_output, split_inputs
 from torchtitan.tools import fault_injection, stragglers
 from torchtitan.tools.device_peak import peak_flops
@@ -67,6 +68,7 @@ class Trainer:
         # ---- what to train (checked before anything is built) --------------------------------------------
         plan = plan_job(cfg, self.world_size)
         self.spec, self.tokenizer, self.model_args = plan.spec, plan.tokenizer, plan.model_args
+        pin_model_shape(cfg, self.model_args)  # checkpoints' config.toml rebuild this shape without hf_config
         self.parallel_dims, self.global_batch_size, self.grad_accum = (
             plan.parallel_dims, plan.global_batch_size, plan.grad_accum
         )
@@ -128,6 +130,7 @@ class Trainer:
             train_state=self.train_state,
             hf_adapter=self.spec.state_dict_adapter,
             model_args=self.model_args,
+            tokenizer=self.tokenizer,
         )
         self.replicas = (
             fault_tolerance.Replicas(cfg.fault_tolerance, self.checkpointer.states, self.rank, self.world_size, self.device)

@@ -44,7 +44,8 @@ def load(checkpoint, *overrides):
 
 def test_round_trip_is_exact(export, hf_folder, tmp_path):
     ours, spec, args = load(export)
-    assert sorted(os.listdir(hf_folder)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(hf_folder)) == ["config.json", "generation_config.json", "model.safetensors",
+                                          "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
     hf = load_file(os.path.join(hf_folder, "model.safetensors"))
     expected = spec.state_dict_adapter(args).to_hf(ours.state_dict())
     assert sorted(hf) == sorted(expected)

@@ -1,6 +1,6 @@
 """DeepSeek-V3 equals Hugging Face's DeepseekV3ForCausalLM on the same random weights, both directions.
 
-Ours -> HF: our model's weights written as an HF folder (save_hf) and loaded by transformers. HF -> ours:
+Ours -> HF: our model's weights written as an HF folder (save_hf_folder) and loaded by transformers. HF -> ours:
 a transformers model's save_pretrained folder read by load_hf. Logits must agree within 1e-5 (fp32) on
 positions past the original context, so YaRN's frequency ramp and attention temperature are exercised,
 with compressed and direct queries, group-limited sigmoid routing, a non-zero balancing bias and a dense
@@ -18,6 +18,7 @@ from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs  # noqa: E402
 from torchtitan.models.deepseek_v3.model import DeepSeekV3Model  # noqa: E402
 from torchtitan.models.deepseek_v3.state_dict_adapter import FP8_MESSAGE, DeepSeekV3StateDictAdapter  # noqa: E402
 from torchtitan.components.moe import MoEArgs  # noqa: E402
+from torchtitan.components.hf_folder import load_hf_folder, save_hf_folder  # noqa: E402
 
 ARGS = DeepSeekV3ModelArgs(
     vocab_size=96, dim=32, inter_dim=48, n_layers=3, n_dense_layers=1, n_heads=4,
@@ -50,7 +51,7 @@ def test_ours_to_hf_logits(variant, tmp_path):
         for block in list(model.layers.values())[1:]:
             block.moe.expert_bias.copy_(torch.randn(8) * 0.1)
         ours = model(TOKENS).logits
-    DeepSeekV3StateDictAdapter.save_hf(model.state_dict(), VARIANTS[variant], str(tmp_path), dtype=torch.float32)
+    save_hf_folder(model.state_dict(), DeepSeekV3StateDictAdapter, VARIANTS[variant], str(tmp_path), dtype=torch.float32)
     torch.testing.assert_close(_hf_logits(str(tmp_path)), ours, rtol=1e-5, atol=1e-5)
 
 
@@ -71,7 +72,7 @@ def test_hf_to_ours_logits(variant, tmp_path):
                 p.copy_(1 + 0.1 * torch.randn_like(p))  # HF initialises norms to ones: make them count
         expected = hf(TOKENS).logits
     hf.save_pretrained(str(tmp_path))
-    state, args = DeepSeekV3StateDictAdapter.load_hf(str(tmp_path))
+    state, args = load_hf_folder(str(tmp_path), DeepSeekV3StateDictAdapter)
     assert args == VARIANTS[variant]
     model = _our_model(args)
     model.load_state_dict(state, strict=True)

@@ -16,6 +16,7 @@ from torchtitan.models.llama3.args import RopeScalingArgs, TransformerModelArgs
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.protocols.state_dict_adapter import HFConfigMismatch
+from torchtitan.components.hf_folder import load_hf_folder, save_hf_folder  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,7 +72,7 @@ def _ours(state_dict) -> Transformer:
 @pytest.mark.parametrize("layout", ["4.x", "5.x"])
 def test_both_config_layouts_load_into_the_same_model_as_transformers(hf_model_and_folders, layout):
     hf_model, folders = hf_model_and_folders
-    state_dict, args = Llama3StateDictAdapter.load_hf(folders[layout], expected=ARGS)
+    state_dict, args = load_hf_folder(folders[layout], Llama3StateDictAdapter, expected=ARGS)
     assert args.rope_theta == 500000.0 and args.rope_scaling == ARGS.rope_scaling
     with torch.no_grad():
         expected = hf_model(TOKENS).logits
@@ -85,8 +86,8 @@ def test_both_config_layouts_load_into_the_same_model_as_transformers(hf_model_a
 
 def test_what_we_write_transformers_reads_as_the_same_model(hf_model_and_folders, tmp_path):
     hf_model, folders = hf_model_and_folders
-    state_dict, _ = Llama3StateDictAdapter.load_hf(folders["5.x"], expected=ARGS)
-    Llama3StateDictAdapter.save_hf(state_dict, ARGS, str(tmp_path), dtype=torch.float32)
+    state_dict, _ = load_hf_folder(folders["5.x"], Llama3StateDictAdapter, expected=ARGS)
+    save_hf_folder(state_dict, Llama3StateDictAdapter, ARGS, str(tmp_path), dtype=torch.float32)
     back = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path)).eval()
     assert back.config.rope_parameters["rope_theta"] == 500000.0
     with torch.no_grad():
@@ -98,7 +99,7 @@ def test_a_mismatched_rope_theta_is_refused_in_one_line(hf_model_and_folders, la
     _, folders = hf_model_and_folders
     flavor = TransformerModelArgs(**{**ARGS.__dict__, "rope_theta": 10000.0})
     with pytest.raises(HFConfigMismatch) as e:
-        Llama3StateDictAdapter.load_hf(folders[layout], expected=flavor)
+        load_hf_folder(folders[layout], Llama3StateDictAdapter, expected=flavor)
     assert str(e.value) == (
         f"Hugging Face config {folders[layout]}/config.json does not match the model: rope_theta 500000.0 in the "
         f"folder vs 10000.0 in the model; pick the --model.flavor (and tokenizer) the folder was made for"
@@ -112,7 +113,7 @@ def test_every_setting_is_compared(hf_model_and_folders):
     _, folders = hf_model_and_folders
     other = TransformerModelArgs(**{**ARGS.__dict__, "norm_eps": 1e-6, "rope_scaling": None, "n_kv_heads": 4})
     with pytest.raises(HFConfigMismatch) as e:
-        Llama3StateDictAdapter.load_hf(folders["5.x"], expected=other)
+        load_hf_folder(folders["5.x"], Llama3StateDictAdapter, expected=other)
     message = str(e.value)
     assert "\n" not in message
     assert "num_key_value_heads 2 in the folder vs 4 in the model" in message

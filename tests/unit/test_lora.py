@@ -15,6 +15,7 @@ import torch
 from torchtitan import preflight
 from torchtitan.components.lora_export import load_lora_model
 from torchtitan.components.offline_model import build_cpu_model, job_config_of
+from torchtitan.components.hf_folder import save_hf_folder
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.train import main
 
@@ -125,7 +126,7 @@ def test_merged_and_peft_exports_give_the_adapted_logits(lora_run, tmp_path):
     assert convert_to_hf.main([step, str(tmp_path / "merged")]) == 0
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     assert convert_to_hf.main([step, str(tmp_path / "peft"), "--peft", str(tmp_path / "base")]) == 0
-    Qwen3StateDictAdapter.save_hf(base.state_dict(), args, str(tmp_path / "base"), torch.float32)
+    save_hf_folder(base.state_dict(), Qwen3StateDictAdapter, args, str(tmp_path / "base"), dtype=torch.float32)
     hf_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
     with_adapters = peft.PeftModel.from_pretrained(hf_base, tmp_path / "peft").eval()
     with torch.no_grad():

@@ -13,6 +13,7 @@ from torchtitan.job_plan import plan_job
 from torchtitan.models.qwen3 import Qwen3, qwen3_flavors
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.tools.params import count_params
+from torchtitan.components.hf_folder import load_hf_folder, save_hf_folder  # noqa: E402
 
 # What Qwen's model cards quote: (parameters, non-embedding parameters), in billions, to the digits quoted.
 PUBLISHED = {
@@ -71,7 +72,7 @@ def _tokens() -> torch.Tensor:
 def test_our_weights_in_transformers_give_our_logits(tie, tmp_path):
     args = dataclasses.replace(TINY, tie_embeddings=tie)
     ours = _ours(args)
-    Qwen3StateDictAdapter.save_hf(ours.state_dict(), args, str(tmp_path), dtype=torch.float32)
+    save_hf_folder(ours.state_dict(), Qwen3StateDictAdapter, args, str(tmp_path), dtype=torch.float32)
     hf = transformers.Qwen3ForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     assert hf.config.tie_word_embeddings == tie and hf.config.head_dim == args.head_dim
     assert (hf.lm_head.weight is hf.model.embed_tokens.weight) == tie
@@ -86,7 +87,7 @@ def test_transformers_weights_in_ours_give_its_logits(tie, tmp_path):
     torch.manual_seed(0)
     hf = _random(transformers.Qwen3ForCausalLM(config).float(), seed=2)
     hf.save_pretrained(str(tmp_path))
-    state_dict, args = Qwen3StateDictAdapter.load_hf(str(tmp_path))
+    state_dict, args = load_hf_folder(str(tmp_path), Qwen3StateDictAdapter)
     assert args == dataclasses.replace(TINY, tie_embeddings=tie)
     ours = Qwen3(args)
     ours.load_state_dict(state_dict, strict=True)
@@ -100,7 +101,7 @@ def test_tied_folder_stores_the_matrix_once(tmp_path):
     from safetensors.torch import load_file
 
     ours = _ours(TINY)
-    Qwen3StateDictAdapter.save_hf(ours.state_dict(), TINY, str(tmp_path), dtype=torch.float32)
+    save_hf_folder(ours.state_dict(), Qwen3StateDictAdapter, TINY, str(tmp_path), dtype=torch.float32)
     stored = load_file(str(tmp_path / "model.safetensors"))
     assert "lm_head.weight" not in stored and "model.embed_tokens.weight" in stored
 

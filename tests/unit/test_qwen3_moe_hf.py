@@ -1,5 +1,5 @@
 """Qwen3-MoE equals Hugging Face's Qwen3MoeForCausalLM on the same random weights, both directions (fp32,
-1e-5): ours -> save_hf -> transformers, and transformers' save_pretrained -> load_hf -> ours. Also: a
+1e-5): ours -> save_hf_folder -> transformers, and transformers' save_pretrained -> load_hf_folder -> ours. Also: a
 moved balancing bias, which HF's router cannot hold, is refused on export."""
 
 import pytest
@@ -11,6 +11,7 @@ from torchtitan.components.moe import MoEArgs  # noqa: E402
 from torchtitan.models.qwen3_moe.args import Qwen3MoeModelArgs  # noqa: E402
 from torchtitan.models.qwen3_moe.model import Qwen3Moe  # noqa: E402
 from torchtitan.models.qwen3_moe.state_dict_adapter import Qwen3MoeStateDictAdapter  # noqa: E402
+from torchtitan.components.hf_folder import load_hf_folder, save_hf_folder  # noqa: E402
 
 ARGS = Qwen3MoeModelArgs(
     dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=64, vocab_size=96, max_seq_len=64,
@@ -31,7 +32,7 @@ def test_ours_to_hf_logits(tmp_path):
     model = _ours()
     with torch.no_grad():
         ours = model(TOKENS).logits
-    Qwen3MoeStateDictAdapter.save_hf(model.state_dict(), ARGS, str(tmp_path), dtype=torch.float32)
+    save_hf_folder(model.state_dict(), Qwen3MoeStateDictAdapter, ARGS, str(tmp_path), dtype=torch.float32)
     hf = transformers.Qwen3MoeForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         torch.testing.assert_close(hf(TOKENS).logits, ours, rtol=1e-5, atol=1e-5)
@@ -50,7 +51,7 @@ def test_hf_to_ours_logits(tmp_path):
                 p.copy_(1 + 0.1 * torch.randn_like(p))  # HF initialises norms to ones: make them count
         expected = hf(TOKENS).logits
     hf.save_pretrained(str(tmp_path))
-    state, args = Qwen3MoeStateDictAdapter.load_hf(str(tmp_path))
+    state, args = load_hf_folder(str(tmp_path), Qwen3MoeStateDictAdapter)
     assert args == ARGS
     model = _ours()
     model.load_state_dict(state, strict=True)

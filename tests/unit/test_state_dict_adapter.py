@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from torchtitan.components.hf_folder import load_hf_folder, save_hf_folder
 from torchtitan.models.llama3.args import RopeScalingArgs, TransformerModelArgs
 from torchtitan.models.llama3.flavors import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
@@ -165,16 +166,16 @@ def test_8b_config_values(layout):
 
 def test_save_load_round_trip(tmp_path):
     sd = random_model().state_dict()
-    Llama3StateDictAdapter.save_hf(sd, ARGS, str(tmp_path), dtype=torch.float32)
+    save_hf_folder(sd, Llama3StateDictAdapter, ARGS, str(tmp_path), dtype=torch.float32)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config.get("dtype", config.get("torch_dtype")) == "float32"
-    loaded, args = Llama3StateDictAdapter.load_hf(str(tmp_path))
+    loaded, args = load_hf_folder(str(tmp_path), Llama3StateDictAdapter)
     assert args == dataclasses.replace(ARGS, ffn_hidden_dim=ARGS.hidden_dim, multiple_of=256, ffn_dim_multiplier=None)
     assert loaded.keys() == sd.keys()
     assert all(torch.equal(loaded[k], sd[k]) for k in sd)
     # bf16 export rounds but keeps the values.
-    Llama3StateDictAdapter.save_hf(sd, ARGS, str(tmp_path / "bf16"))
-    loaded16, _ = Llama3StateDictAdapter.load_hf(str(tmp_path / "bf16"))
+    save_hf_folder(sd, Llama3StateDictAdapter, ARGS, str(tmp_path / "bf16"))
+    loaded16, _ = load_hf_folder(str(tmp_path / "bf16"), Llama3StateDictAdapter)
     assert all(loaded16[k].dtype == torch.bfloat16 for k in sd)
     assert all(torch.equal(loaded16[k], sd[k].bfloat16()) for k in sd)
     # The loaded args build a model that accepts the weights.
@@ -194,7 +195,7 @@ def test_load_sharded_and_tied(tmp_path):
     weight_map = {k: file for file, keys in shards.items() for k in keys}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (tmp_path / "config.json").write_text(json.dumps(config))
-    loaded, _ = Llama3StateDictAdapter.load_hf(str(tmp_path))
+    loaded, _ = load_hf_folder(str(tmp_path), Llama3StateDictAdapter)
     assert loaded.keys() == sd.keys()
     assert torch.equal(loaded["output.weight"], sd["tok_embeddings.weight"])
     assert all(torch.equal(loaded[k], sd[k]) for k in sd if k != "output.weight")

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.components import checkpoint_checksums as checksums
 from torchtitan.components import checkpoint_folders as folders
+from torchtitan.components.hf_folder import load_hf_into, save_hf_folder
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import to_toml
 from torchtitan.protocols.state_dict_adapter import HFConfigMismatch
@@ -257,7 +258,7 @@ class _InFlight:
 class CheckpointManager:
     def __init__(
         self, cfg: JobConfig, *, model_parts, optimizers, lr_schedulers, dataloader, train_state, hf_adapter=None,
-        model_args=None,
+        model_args=None, tokenizer=None,
     ):
         self.cfg = cfg
         self.ckpt = cfg.checkpoint
@@ -272,6 +273,7 @@ class CheckpointManager:
         self.model_parts = model_parts
         self.hf_adapter = hf_adapter
         self.model_args = model_args  # what an HF folder's config.json must describe (initial_load_in_hf)
+        self.tokenizer = tokenizer  # written into Hugging Face folders the run saves
         self.states = {
             "model": self.model,
             "optimizer": optimizers,
@@ -474,20 +476,16 @@ class CheckpointManager:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise CheckpointError(f"--checkpoint.initial_load_path {path}: not a Hugging Face folder (no config.json)")
         try:
-            full, _ = self.hf_adapter.load_hf(path, expected=self.model_args)
+            # The folder's config must describe the model trained (a same-shaped model with another rope
+            # theta would load silently); then each rank reads only the slices of the tensors it holds.
+            self.hf_adapter.check_hf_config(path, self.hf_adapter.args_from_hf(path), self.model_args)
+            load_hf_into(self.base_model.state_dict(), path, self.hf_adapter(self.model_args))
         except HFConfigMismatch as e:  # another model: its one line names the settings
             raise CheckpointError(str(e)) from e
         except Exception as e:  # safetensors / json errors of many kinds
             raise CheckpointError(
                 f"cannot read Hugging Face checkpoint {path}: {type(e).__name__}: {_first_line(e)}"
             ) from e
-        expected = self.base_model.state_dict()
-        whole_model = self.cfg.parallelism.pipeline_parallel_degree == 1
-        check_shapes(f"Hugging Face checkpoint {path}", {k: v.shape for k, v in full.items()},
-                     {k: v.shape for k, v in expected.items()}, exact=whole_model)
-        load_full_state_dict(
-            self.model_parts, {k: full[k].to(v.dtype) for k, v in expected.items()}, strict=not self.frozen_base
-        )
 
     # ---- saving -----------------------------------------------------------------------------------------
     def save(self, step: int, *, last: bool = False, force: bool = False) -> None:
@@ -498,19 +496,46 @@ class CheckpointManager:
         self._poll()
         if step == self._last_saved_step:
             return
+        hf_every = self.ckpt.hf_interval > 0 and step % self.ckpt.hf_interval == 0
         if last:
-            full, export = self.ckpt.last_save != "export_only", self.ckpt.last_save != "full"
+            choice = self.ckpt.last_save
+            full, export = choice not in ("export_only", "hf_only"), choice in ("full_and_export", "export_only")
+            hf = choice in ("full_and_hf", "hf_only") or hf_every
         else:
-            full, export = force or step % self.ckpt.interval == 0, False
-        if not (full or export):
+            full, export, hf = force or step % self.ckpt.interval == 0, False, hf_every
+        if not (full or export or hf):
             return
         if full:
             self._write(folders.step_folder(self.root, step), self.states, step, "full")
+        if hf:
+            self._write_hf(step)
         if export:
             dtype = DTYPES[self.ckpt.export_dtype]
             model = {k: v.to(dtype) for k, v in self.whole_model.state_dict().items()}
             self._write(folders.export_folder(self.root, step), {"model": model}, step, "export")
         self._last_saved_step = step
+
+    def _write_hf(self, step: int) -> None:
+        """A Hub-ready Hugging Face folder `hf-step-N`, written by every rank from its own shards
+        (hf_folder.save_hf_folder), under a .partial name until complete."""
+        if self.hf_adapter is None:
+            raise CheckpointError(f"--checkpoint.last_save {self.ckpt.last_save}: model {self.cfg.model.name} has no Hugging Face adapter")
+        self.wait()
+        final = os.path.join(self.root, f"hf-step-{step}")
+        partial = final + folders.PARTIAL
+        if self.rank == 0:
+            self._clear_name(partial, final)
+        if dist.is_initialized():
+            dist.barrier()
+        try:
+            save_hf_folder(self.model.state_dict(), self.hf_adapter, self.model_args, partial,
+                           dtype=DTYPES[self.ckpt.export_dtype], max_shard_bytes=self.ckpt.hf_max_shard_mb * 10**6,
+                           tokenizer=self.tokenizer)
+        except DCP_ERRORS as e:
+            raise CheckpointError(f"save of {final} failed: {type(e).__name__}: {_first_line(e)}") from e
+        if self.rank == 0:
+            os.replace(partial, final)
+            logger.info(f"Saved Hugging Face folder {final} (loads with transformers' from_pretrained)")
 
     def _write(self, final: str, states: dict, step: int, kind: str) -> None:
         t0 = time.perf_counter()

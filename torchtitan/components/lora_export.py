@@ -1,7 +1,7 @@
 """A LoRA run handed back to Hugging Face tools, both ways (one process, on CPU):
 
-* merged: the adapters folded into the base weights, written as a Hugging Face folder by the model's
-  state-dict adapter (`export_hf`, the one call to point at another writer);
+* merged: the adapters folded into the base weights, written as a Hub-ready Hugging Face folder
+  (`hf_folder.save_hf_folder`, the writer the run's own HF saves use);
 * adapters alone, in peft's format (`adapter_config.json` + `adapter_model.safetensors`, peft's key names), so
   `peft.PeftModel.from_pretrained(transformers_base, folder)` applies them to the transformers base.
 
@@ -27,6 +27,7 @@ from torchtitan.components.checkpoint import (
     check_shapes,
     read_dcp_metadata,
 )
+from torchtitan.components.hf_folder import save_hf_folder
 from torchtitan.components.lora import LoRAConverter, lora_modules, merge_adapters
 from torchtitan.components.offline_model import build_cpu_model, load_model_weights
 from torchtitan.config import JobConfig
@@ -67,15 +68,12 @@ def load_lora_model(checkpoint: str, cfg: JobConfig) -> tuple[nn.Module, object,
     return model.eval(), spec, args
 
 
-def export_hf(adapter_cls, state_dict: dict[str, torch.Tensor], args, folder: str, dtype: torch.dtype) -> None:
-    """Writes a Hugging Face folder: the one place the export reaches the HF writer."""
-    adapter_cls.save_hf(state_dict, args, folder, dtype)
-
-
-def save_merged(model: nn.Module, adapter_cls, args, folder: str, dtype: torch.dtype = torch.float32) -> None:
-    """The adapters folded into the base (in place: `model` becomes the merged model), as an HF folder."""
+def save_merged(model: nn.Module, adapter_cls, args, folder: str, dtype: torch.dtype = torch.float32,
+                **hf_options) -> None:
+    """The adapters folded into the base (in place: `model` becomes the merged model), as a Hub-ready HF
+    folder (hf_folder.save_hf_folder; `hf_options`: max_shard_bytes, tokenizer)."""
     merge_adapters(model)
-    export_hf(adapter_cls, model.state_dict(), args, folder, dtype)
+    save_hf_folder(model.state_dict(), adapter_cls, args, folder, dtype=dtype, **hf_options)
 
 
 def _hf_row_col_order(adapter, key: str, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor, str]:

@@ -20,16 +20,24 @@ from torchtitan.components.checkpoint import (
     content_problem,
     read_dcp_metadata,
 )
+from torchtitan.components.hf_folder import load_hf_into
 from torchtitan.config import JobConfig
 from torchtitan.protocols.train_spec import config_manager
-from torchtitan.protocols.train_spec import resolve_model
+from torchtitan.protocols.model_shape import resolve_model
 
 
 def job_config_of(checkpoint: str, overrides: list[str]) -> JobConfig:
     """The config `checkpoint` was written with (when it has one), then `overrides` (--section.key value)."""
     saved = os.path.join(checkpoint, folders.CONFIG)
     recipe = ["--job.config_file", saved] if os.path.isfile(saved) else []
-    return config_manager(skip_retired=True).parse_args(recipe + list(overrides))  # older runs' configs load too
+    cfg = config_manager(skip_retired=True).parse_args(recipe + list(overrides))  # older runs' configs load too
+    if is_hf_folder(checkpoint) and not cfg.model.hf_config:
+        cfg.model.hf_config = checkpoint  # a Hugging Face folder carries its shape in config.json
+    return cfg
+
+
+def is_hf_folder(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json"))
 
 
 def build_cpu_model(cfg: JobConfig) -> tuple[nn.Module, object, object, object]:
@@ -57,11 +65,10 @@ def load_model_weights(model: nn.Module, checkpoint: str, hf_adapter=None, model
         if hf_adapter is None:
             raise CheckpointError(f"{checkpoint} is a Hugging Face folder but the model has no adapter")
         try:
-            full, _ = hf_adapter.load_hf(checkpoint, expected=model_args)
+            hf_adapter.check_hf_config(checkpoint, hf_adapter.args_from_hf(checkpoint), model_args)
+            load_hf_into(expected, checkpoint, hf_adapter(model_args))
         except ValueError as e:  # the folder's config differs from the model (or cannot be read): one line
             raise CheckpointError(str(e)) from e
-        check_shapes(f"Hugging Face checkpoint {checkpoint}", {k: v.shape for k, v in full.items()}, shapes, exact=True)
-        model.load_state_dict({k: full[k].to(v.dtype) for k, v in expected.items()}, strict=True)
         return
     why = folders.problem(checkpoint, require_manifest=False) or content_problem(checkpoint)
     if why is not None:

@@ -42,6 +42,17 @@ class Model:
     print_after_conversion: bool = False
     """Print the model after converters ran."""
 
+    hf_config: str | None = None
+    """A Hugging Face model folder (or its config.json) whose config gives the model's shape instead of
+    --model.flavor: every key is read or refused in one line. Typically the folder of
+    --checkpoint.initial_load_path with --checkpoint.initial_load_in_hf. A checkpoint's saved config.toml
+    records the resolved shape (as overrides), so it reloads without the folder."""
+
+    overrides: list[str] = field(default_factory=list)
+    """Fields of the model args set on top of the flavor (or hf_config), as FIELD=VALUE, e.g.
+    ["n_layers=4", "rope_scaling.factor=4.0", "moe.top_k=2"]; dotted names reach nested settings, `none`
+    clears an optional one. Unknown fields and values of the wrong type are refused."""
+
 
 @dataclass
 class Training:
@@ -290,11 +301,14 @@ class Checkpoint:
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
     """Save in the background: async, or async with pinned-memory staging (CUDA only)."""
 
-    last_save: Literal["full", "full_and_export", "export_only"] = "full"
+    last_save: Literal["full", "full_and_export", "export_only", "full_and_hf", "hf_only"] = "full"
     """What the last step writes: `full` = the whole training state (`step-N`; rerunning with more
     --training.steps extends the run); `full_and_export` = that and the model weights alone (`export-step-N`,
     in export_dtype, for generation and conversion); `export_only` = the export alone (smaller, but the run
-    cannot be extended: a rerun refuses and names the options that continue from the export's weights)."""
+    cannot be extended: a rerun refuses and names the options that continue from the export's weights);
+    `full_and_hf` / `hf_only` = the whole state and / or a Hub-ready Hugging Face folder (`hf-step-N`:
+    safetensors in export_dtype split at hf_max_shard_mb with save_pretrained's index, config.json,
+    generation_config.json, tokenizer files), written from the sharded ranks without gathering the model."""
 
     export_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the model-only export (export-step-N)."""
@@ -318,6 +332,13 @@ class Checkpoint:
     keep_steps: list[int] = field(default_factory=list)
     """Named steps kept forever besides keep_latest_k, e.g. [1000, 5000]; each must be a saved step (a multiple
     of `interval`, or training.steps)."""
+
+    hf_interval: int = 0
+    """Also write a Hugging Face folder (`hf-step-N`, see last_save) every N steps; 0 = only as last_save says."""
+
+    hf_max_shard_mb: int = 5000
+    """Size limit of one safetensors file in Hugging Face folders written by the run (save_pretrained's
+    max_shard_size, in MB of 10^6 bytes); a larger model is split into model-0000i-of-0000n.safetensors."""
 
 
 @dataclass

@@ -33,7 +33,8 @@ from torchtitan.errors import USER_ERRORS
 from torchtitan.job_plan import JobPlan, plan_job
 from torchtitan.planning.hardware import Device, headroom_note, memory_limit
 from torchtitan.planning.memory import MemoryEstimate, ModelShape, StateBytes, estimate_memory, rank_work
-from torchtitan.protocols.train_spec import get_flavor, get_train_spec
+from torchtitan.protocols.model_shape import base_model_args
+from torchtitan.protocols.train_spec import get_train_spec
 
 OPTIMIZER_STATES_PER_PARAM = {"Adam": 2, "AdamW": 2}
 """Tensors shaped like the parameter that each optimizer keeps (besides its scalar step)."""
@@ -219,7 +220,7 @@ def dry_run(
         get_train_spec(cfg.model.name).build_tokenizer_fn(cfg)
     except FileNotFoundError as e:
         try:
-            vocab = get_flavor(get_train_spec(cfg.model.name), cfg.model.flavor).vocab_size
+            vocab = base_model_args(get_train_spec(cfg.model.name), cfg).vocab_size
             errors.append(f"{_one_line(e)} (the dry run goes on with the flavor's vocab_size {vocab})")
             tokenizer = SimpleNamespace(vocab_size=vocab)
         except USER_ERRORS as e2:

@@ -1,23 +1,54 @@
 """The base class of a model's Hugging Face adapter: state dicts and configs both ways, and HF folders.
 
-A subclass implements the four conversions; folder I/O (safetensors, single or sharded, `config.json`) is
-shared. `check_hf_config` compares what a folder's config says with the args the job will train, so a
-folder of another model (another shape, rope theta, norm eps, ...) is refused in one line instead of loading
-into a silently different model.
+A subclass implements the four conversions and, where to_hf moves elements within a tensor, `hf_layout`;
+folder I/O (safetensors, single or sharded, read and written slice by slice) is components/hf_folder.py.
+`check_hf_config` compares what a folder's config says with the args the job will train, so a folder of
+another model (another shape, rope theta, norm eps, ...) is refused in one line instead of loading into a
+silently different model.
 """
 
-import json
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+
+from torchtitan.protocols.hf_config import UnsupportedHFConfig, read_config_file
+
+
+@dataclass
+class HFLayout:
+    """Where one of our tensors lives in an HF folder, so a rank can read or write just its slice of it:
+    under `hf_keys[0]` with the same shape, or (`stacked`) as one HF tensor per index of our dim 0 (routed
+    experts). With `row_block`, to_hf/from_hf permute rows within blocks of that many rows (Llama's q/k
+    heads): `to_hf_rows` / `from_hf_rows` convert any whole number of blocks."""
+
+    hf_keys: list[str]
+    stacked: bool = False
+    row_block: int = 0
+    to_hf_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+    from_hf_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class StateDictAdapter(ABC):
     def __init__(self, args: Any):
         self.args = args
+
+    def hf_layout(self, key: str, shape: torch.Size) -> HFLayout | None:
+        """How our tensor `key` (global `shape`) maps to HF tensors; None when the folder does not store it
+        (a tied output projection, a state HF has no slot for). Derived from `to_hf` on a meta tensor: a
+        pure rename, or a split along dim 0. An adapter whose to_hf also moves elements within a tensor
+        overrides this (see HFLayout.row_block)."""
+        hf = self.to_hf({key: torch.empty(shape, device="meta")})
+        if not hf:
+            return None
+        if len(hf) == 1 and tuple(next(iter(hf.values())).shape) == tuple(shape):
+            return HFLayout(list(hf))
+        if len(hf) == shape[0] and all(tuple(t.shape) == tuple(shape[1:]) for t in hf.values()):
+            return HFLayout(list(hf), stacked=True)
+        raise NotImplementedError(f"{type(self).__name__}: no slice layout for {key!r}")
 
     @abstractmethod
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -34,34 +65,30 @@ class StateDictAdapter(ABC):
 
     @staticmethod
     @abstractmethod
-    def from_hf_config(config: dict) -> Any:
-        """Our args reproducing an HF config."""
+    def from_hf_config(config: dict, where: str = "config.json") -> Any:
+        """Our args reproducing an HF config; a key the model cannot reproduce is refused in one line
+        (UnsupportedHFConfig, naming `where`)."""
+
+    HF_MODEL_TYPES: tuple[str, ...] = ()
+    """The config.json `model_type`s this adapter reads (e.g. ("llama",))."""
 
     @classmethod
-    def save_hf(
-        cls, state_dict: dict[str, torch.Tensor], args: Any, folder: str, dtype: torch.dtype = torch.bfloat16
-    ) -> None:
-        """Write `config.json` + a single `model.safetensors`; `state_dict` holds full tensors, our FQNs."""
-        os.makedirs(folder, exist_ok=True)
-        hf = cls(args).to_hf(state_dict)
-        tensors = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in hf.items()}
-        save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(cls.to_hf_config(args, dtype), f, indent=2)
+    def args_from_hf(cls, folder: str) -> Any:
+        """Our args for an HF folder (or config.json path): its model_type must be one this adapter reads."""
+        config = read_config_file(folder)
+        where = folder if folder.endswith(".json") else os.path.join(folder, "config.json")
+        model_type = config.get("model_type")
+        if model_type not in cls.HF_MODEL_TYPES:
+            arch = ", ".join(config.get("architectures") or []) or "no architectures listed"
+            raise UnsupportedHFConfig(
+                f"{where}: model_type {model_type!r} ({arch}) is not supported by this model, which reads "
+                f"{' / '.join(cls.HF_MODEL_TYPES)} configs; pick the --model.name of the folder's architecture"
+            )
+        return cls.from_hf_config(config, where)
 
     # config.json keys that do not change what the model computes. max_position_embeddings only bounds the
     # positions a model may be given (the RoPE table length), so a longer or shorter one is the same model.
     HF_CONFIG_NOT_COMPARED = frozenset({"architectures", "model_type", "dtype", "torch_dtype", "max_position_embeddings"})
-
-    @classmethod
-    def load_hf(cls, folder: str, expected: Any = None) -> tuple[dict[str, torch.Tensor], Any]:
-        """(state dict with our FQNs, args) of an HF folder; tensors keep their stored dtype. With `expected`
-        (the args the job will train), the folder's config is checked against them first (check_hf_config)."""
-        config = read_hf_config(folder)
-        args = cls.from_hf_config(config)
-        if expected is not None:
-            cls.check_hf_config(folder, args, expected)
-        return cls(args).from_hf(read_hf_tensors(folder, config)), args
 
     @classmethod
     def check_hf_config(cls, folder: str, args: Any, expected: Any) -> None:
@@ -93,28 +120,3 @@ def _leaves(config: dict) -> dict:
     for key, value in config.items():
         flat.update(_leaves(value) if isinstance(value, dict) else {key: value})
     return flat
-
-
-def read_hf_config(folder: str) -> dict:
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder")
-    with open(path) as f:
-        return json.load(f)
-
-
-def read_hf_tensors(folder: str, config: dict) -> dict[str, torch.Tensor]:
-    """Every tensor of a folder's safetensors files (single or sharded by an index). Tied embeddings are
-    untied by copying the embedding into `lm_head.weight` when the folder does not store it."""
-    index_path = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.exists(index_path):
-        with open(index_path) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    hf: dict[str, torch.Tensor] = {}
-    for name in files:
-        hf.update(load_file(os.path.join(folder, name)))
-    if config.get("tie_word_embeddings") and "lm_head.weight" not in hf:
-        hf["lm_head.weight"] = hf["model.embed_tokens.weight"].clone()
-    return hf

@@ -102,15 +102,3 @@ def get_flavor(spec: TrainSpec, flavor: str) -> Any:
             f"unknown flavor {flavor!r} for model {spec.name!r} (--model.flavor); try: {', '.join(near)}"
         )
     return spec.flavors[flavor]
-
-
-def resolve_model(cfg: JobConfig, tokenizer: object | None = None) -> tuple[TrainSpec, object, object]:
-    """(train spec, tokenizer, model args) of a job: the flavor's shape resized for the job (the tokenizer's
-    vocabulary, room for the recipe's seq_len; see BaseModelArgs.update_from_job). Also used offline
-    (conversion, generation) from a checkpoint's saved config, so a model is rebuilt with exactly the shape
-    it was trained with. A caller without the tokenizer file (the dry run) passes a stand-in `tokenizer` with
-    the `vocab_size` to plan for."""
-    spec = get_train_spec(cfg.model.name)
-    flavor = get_flavor(spec, cfg.model.flavor)
-    tokenizer = tokenizer if tokenizer is not None else spec.build_tokenizer_fn(cfg)
-    return spec, tokenizer, flavor.update_from_job(cfg, tokenizer)

@@ -8,13 +8,15 @@ The multi-token-prediction layer a checkpoint may carry (index >= num_hidden_lay
 and is skipped.
 """
 
+import math
 import re
 
 import torch
 
-from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
+from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs, yarn_mscale
 from torchtitan.components.moe import MoEArgs
 from torchtitan.components.moe.hf_experts import is_expert_key, stack_experts, unstack_experts
+from torchtitan.protocols.hf_config import HFConfigReader, UnsupportedHFConfig, rope_dict
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 _LAYER_KEYS = {
@@ -57,14 +59,15 @@ FP8_MESSAGE = (
 
 class DeepSeekV3StateDictAdapter(StateDictAdapter):
     args: DeepSeekV3ModelArgs
+    HF_MODEL_TYPES = ("deepseek_v3",)
 
     @staticmethod
     def to_hf_config(args: DeepSeekV3ModelArgs, dtype: torch.dtype = torch.bfloat16) -> dict:
         return to_hf_config(args, dtype)
 
     @staticmethod
-    def from_hf_config(config: dict) -> DeepSeekV3ModelArgs:
-        return from_hf_config(config)
+    def from_hf_config(config: dict, where: str = "config.json") -> DeepSeekV3ModelArgs:
+        return from_hf_config(config, where)
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         hf = {}
@@ -118,6 +121,10 @@ def to_hf_config(args: DeepSeekV3ModelArgs, dtype: torch.dtype = torch.bfloat16)
             "original_max_position_embeddings": args.original_seq_len, "beta_fast": args.beta_fast,
             "beta_slow": args.beta_slow, "mscale": args.mscale, "mscale_all_dim": args.mscale_all_dim,
         }
+        if not (args.mscale and args.mscale_all_dim):  # transformers would not take their ratio: say it
+            rope["attention_factor"] = yarn_mscale(args.rope_factor, args.mscale) / yarn_mscale(
+                args.rope_factor, args.mscale_all_dim
+            )
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -155,55 +162,81 @@ def to_hf_config(args: DeepSeekV3ModelArgs, dtype: torch.dtype = torch.bfloat16)
     }
 
 
-def from_hf_config(config: dict) -> DeepSeekV3ModelArgs:
+def _yarn_mscales(rope: HFConfigReader, factor: float) -> dict:
+    """(mscale, mscale_all_dim) reproducing transformers' YaRN. transformers reads a missing mscale_all_dim as
+    0, which leaves the softmax scale alone, and takes the rope table's attention factor from
+    `attention_factor` when given, else mscale/mscale_all_dim's ratio when both are non-zero, else
+    yarn_mscale(factor, 1). Our table's factor is always yarn_mscale(factor, mscale) / yarn_mscale(factor,
+    mscale_all_dim), linear in mscale, so the other cases solve for the mscale giving the same factor."""
+    mscale, all_dim = rope.opt("mscale"), float(rope.opt("mscale_all_dim", 0.0))
+    attention_factor = rope.opt("attention_factor")
+    if attention_factor is None and mscale and all_dim:
+        return {"mscale": float(mscale), "mscale_all_dim": all_dim}
+    if factor <= 1:
+        return {"mscale": 1.0, "mscale_all_dim": all_dim}
+    target = yarn_mscale(factor, 1.0) if attention_factor is None else float(attention_factor)
+    return {"mscale": (target * yarn_mscale(factor, all_dim) - 1.0) / (0.1 * math.log(factor)), "mscale_all_dim": all_dim}
+
+
+def from_hf_config(config: dict, where: str = "config.json") -> DeepSeekV3ModelArgs:
     """Args of an HF DeepSeek-V3 config (either rope spelling: `rope_parameters`, or the published
-    `rope_scaling` + `rope_theta`). fp8-quantised checkpoints are refused (see FP8_MESSAGE)."""
-    if config.get("quantization_config"):
-        raise ValueError(FP8_MESSAGE)
-    if config.get("scoring_func", "sigmoid") != "sigmoid":
-        raise ValueError(f"scoring_func {config['scoring_func']!r}: DeepSeek-V3 checkpoints route with sigmoid")
-    if config.get("hidden_act", "silu") != "silu" or config.get("attention_bias"):
-        raise ValueError("only silu experts without attention biases are supported")
-    if not config.get("rope_interleave", True):
-        raise ValueError("rope_interleave false: this model rotates adjacent pairs (DeepSeek's layout)")
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", "yarn"):
-        raise ValueError(f"rope type {kind!r}: only default and yarn RoPE are supported")
+    `rope_scaling` + `rope_theta`); every key is read or refused (protocols/hf_config.py). fp8-quantised
+    checkpoints are refused (see FP8_MESSAGE)."""
+    r = HFConfigReader(config, where, "DeepSeek-V3 (--model.name deepseek_v3)")
+    if r.opt("quantization_config"):
+        raise UnsupportedHFConfig(FP8_MESSAGE)
+    r.expect("scoring_func", "sigmoid", "sigmoid")
+    r.expect("hidden_act", "silu", "silu")
+    r.expect("attention_bias", False, False)
+    r.expect("attention_dropout", 0.0, 0.0)
+    r.expect("rope_interleave", True, True)
+    r.expect("tie_word_embeddings", False, False)
+    r.expect("moe_layer_freq", 1, 1)
+    r.expect("topk_method", ("noaux_tc", "greedy", "group_limited_greedy"), "noaux_tc")
+    # Derived or unused here: the multi-token-prediction layers are skipped, kv heads are the heads (MLA),
+    # head_dim / qk_head_dim follow from the MLA sizes.
+    r.ignore("num_nextn_predict_layers", "num_key_value_heads", "head_dim", "qk_head_dim")
+    rope = HFConfigReader(rope_dict(r), f"{where} rope parameters", r.family)
+    theta = float(rope.req("rope_theta"))
+    kind = rope.expect("rope_type", ("default", "yarn"), "default")
     yarn = {}
     if kind == "yarn":
-        factor = rope.get("factor") or config["max_position_embeddings"] / rope["original_max_position_embeddings"]
+        original = int(rope.req("original_max_position_embeddings"))
+        factor = float(rope.opt("factor") or r.req("max_position_embeddings") / original)
+        rope.expect("truncate", True, True)
         yarn = dict(
-            rope_factor=float(factor), original_seq_len=rope["original_max_position_embeddings"],
-            beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
-            mscale=float(rope.get("mscale") or 1.0), mscale_all_dim=float(rope.get("mscale_all_dim") or 1.0),
+            rope_factor=factor, original_seq_len=original,
+            beta_fast=float(rope.opt("beta_fast") or 32), beta_slow=float(rope.opt("beta_slow") or 1),
+            **_yarn_mscales(rope, factor),
         )
-    return DeepSeekV3ModelArgs(
-        vocab_size=config["vocab_size"],
-        dim=config["hidden_size"],
-        inter_dim=config["intermediate_size"],
-        n_layers=config["num_hidden_layers"],
-        n_dense_layers=config.get("first_k_dense_replace", 0),
-        n_heads=config["num_attention_heads"],
-        norm_eps=config.get("rms_norm_eps", 1e-6),
+    rope.finish()
+    args = DeepSeekV3ModelArgs(
+        vocab_size=int(r.req("vocab_size")),
+        dim=int(r.req("hidden_size")),
+        inter_dim=int(r.req("intermediate_size")),
+        n_layers=int(r.req("num_hidden_layers")),
+        n_dense_layers=int(r.opt("first_k_dense_replace", 0)),
+        n_heads=int(r.req("num_attention_heads")),
+        norm_eps=float(r.opt("rms_norm_eps", 1e-6)),
         moe=MoEArgs(
-            num_experts=config["n_routed_experts"],
-            num_shared_experts=config.get("n_shared_experts") or 0,
-            hidden_dim=config["moe_intermediate_size"],
-            top_k=config["num_experts_per_tok"],
+            num_experts=int(r.req("n_routed_experts")),
+            num_shared_experts=int(r.opt("n_shared_experts", 0)),
+            hidden_dim=int(r.req("moe_intermediate_size")),
+            top_k=int(r.req("num_experts_per_tok")),
             score_func="sigmoid",
-            route_norm=bool(config.get("norm_topk_prob", True)),
-            route_scale=float(config.get("routed_scaling_factor", 1.0)),
-            n_groups=config.get("n_group") or 1,
-            topk_groups=config.get("topk_group") or 1,
+            route_norm=bool(r.opt("norm_topk_prob", True)),
+            route_scale=float(r.opt("routed_scaling_factor", 1.0)),
+            n_groups=int(r.opt("n_group", 1)),
+            topk_groups=int(r.opt("topk_group", 1)),
         ),
-        q_lora_rank=config.get("q_lora_rank") or 0,
-        kv_lora_rank=config["kv_lora_rank"],
-        qk_nope_head_dim=config["qk_nope_head_dim"],
-        qk_rope_head_dim=config["qk_rope_head_dim"],
-        v_head_dim=config["v_head_dim"],
-        max_seq_len=config["max_position_embeddings"],
+        q_lora_rank=int(r.opt("q_lora_rank", 0)),
+        kv_lora_rank=int(r.req("kv_lora_rank")),
+        qk_nope_head_dim=int(r.req("qk_nope_head_dim")),
+        qk_rope_head_dim=int(r.req("qk_rope_head_dim")),
+        v_head_dim=int(r.req("v_head_dim")),
+        max_seq_len=int(r.req("max_position_embeddings")),
         rope_theta=theta,
         **yarn,
     )
+    r.finish()
+    return args

@@ -3,6 +3,7 @@
 import math
 from dataclasses import dataclass
 
+from torchtitan.distributed.parallel_dims import LayoutError
 from torchtitan.protocols.model import BaseModelArgs, TransformerShape
 
 
@@ -35,6 +36,8 @@ class TransformerModelArgs(BaseModelArgs):
     max_seq_len: int = 2048  # rows of the RoPE cache: the largest position the model can be given is max_seq_len-1
     # Output projections of layer i are initialised with std 0.02/sqrt(2(i+1)) rather than 0.02/sqrt(2 n_layers).
     depth_init: bool = True
+    # The output projection reuses the embedding matrix (HF `tie_word_embeddings`; Llama 3.2 1B and 3B).
+    tie_embeddings: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -59,7 +62,8 @@ class TransformerModelArgs(BaseModelArgs):
         """Training FLOPs (forward + backward) per token: 6 per matmul parameter (2 forward, 4 backward)
         plus the attention score and value matmuls, which have no parameters: 2 matmuls x 2 FLOPs x 3
         (fwd+bwd) x n_layers x n_heads x head_dim x seq_len. The causal half is not discounted."""
-        return 6 * num_non_embedding_params + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        tied_output = self.vocab_size * self.dim if self.tie_embeddings else 0  # a matmul, counted as embedding
+        return 6 * (num_non_embedding_params + tied_output) + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
     def divisible_by(self) -> dict[str, dict[str, int]]:
         """Tensor parallel splits the heads, the kv heads, the model dim (sequence-parallel norms see whole
@@ -67,6 +71,17 @@ class TransformerModelArgs(BaseModelArgs):
         return {
             "tp": {"n_heads": self.n_heads, "n_kv_heads": self.num_kv_heads, "dim": self.dim, "vocab_size": self.vocab_size}
         }
+
+    def update_from_job(self, job_config, tokenizer) -> "TransformerModelArgs":
+        """Resized for the job (BaseModelArgs); a tied model refuses pipeline parallel, which would put the
+        embedding (first stage) and the output projection (last stage), one matrix, on different ranks."""
+        pp = job_config.parallelism.pipeline_parallel_degree
+        if self.tie_embeddings and pp > 1:
+            raise LayoutError(
+                f"this Llama ties its output projection to the embedding, which pipeline parallel would put on "
+                f"different stages (pipeline_parallel_degree {pp}); train it with FSDP/TP/CP instead"
+            )
+        return super().update_from_job(job_config, tokenizer)
 
     def transformer_shape(self) -> TransformerShape:
         return TransformerShape(

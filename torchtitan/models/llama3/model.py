@@ -140,6 +140,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
         # Non-persistent: derived from args, so never checkpointed; init_weights recomputes it after to_empty.
         self.register_buffer("rope_cache", self._rope_cache(), persistent=False)
         # True positions of the tokens this rank holds when they are not 0..S-1 for every batch, e.g. the
@@ -150,15 +151,24 @@ class Transformer(nn.Module):
         a = self.model_args
         return precompute_rope_cache(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
 
+    def tie_weights(self) -> None:
+        """Makes the output projection use the embedding's Parameter when the args tie them (Llama 3.2 1B/3B).
+        `to_empty` and TP's styles replace parameters one by one, so init_weights and the parallelizer tie
+        them again."""
+        if self.model_args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialise whatever parts this (possibly pipeline-split) model holds, from the torch RNG.
 
         Embedding ~ N(0, 1); wq/wk/wv/w1 ~ N(0, 0.02); wo/w2/w3 ~ N(0, out_init_std) (see TransformerBlock);
-        output ~ N(0, dim^-0.5); normals truncated at 3 std. Norm weights are ones.
+        output ~ N(0, dim^-0.5); normals truncated at 3 std. Norm weights are ones. A tied matrix gets the
+        output's init.
         """
+        self.tie_weights()
         with torch.device(buffer_device or self.rope_cache.device):
             self.rope_cache = self._rope_cache()
-        if self.tok_embeddings is not None:
+        if self.tok_embeddings is not None and not self.model_args.tie_embeddings:
             nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():
             layer.init_weights()

@@ -12,7 +12,8 @@ import re
 import torch
 
 from torchtitan.models.llama3.args import RopeScalingArgs, TransformerModelArgs
-from torchtitan.protocols.state_dict_adapter import StateDictAdapter
+from torchtitan.protocols.hf_config import HFConfigReader, UnsupportedHFConfig, rope_dict
+from torchtitan.protocols.state_dict_adapter import HFLayout, StateDictAdapter
 
 # Inside `layers.{i}.` (ours) <-> inside `model.layers.{i}.` (HF).
 _LAYER_KEYS = {
@@ -48,19 +49,33 @@ def _half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 class Llama3StateDictAdapter(StateDictAdapter):
     args: TransformerModelArgs
+    HF_MODEL_TYPES = ("llama",)
 
     @staticmethod
     def to_hf_config(args: TransformerModelArgs, dtype: torch.dtype = torch.bfloat16) -> dict:
         return to_hf_config(args, dtype)
 
     @staticmethod
-    def from_hf_config(config: dict) -> TransformerModelArgs:
-        return from_hf_config(config)
+    def from_hf_config(config: dict, where: str = "config.json") -> TransformerModelArgs:
+        return from_hf_config(config, where)
+
+    def hf_layout(self, key: str, shape: torch.Size) -> HFLayout | None:
+        """q/k rows are permuted within each head (see the module docstring): a slice of whole heads converts
+        on its own."""
+        layout = super().hf_layout(key, shape)
+        if key.endswith(("attention.wq.weight", "attention.wk.weight")):
+            hd = self.args.head_dim
+            layout.row_block = hd
+            layout.to_hf_rows = lambda t: _interleaved_to_half(t, t.shape[0] // hd)
+            layout.from_hf_rows = lambda t: _half_to_interleaved(t, t.shape[0] // hd)
+        return layout
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Our FQNs -> HF names; works on any subset (e.g. one pipeline stage's state dict)."""
         hf = {}
         for key, t in state_dict.items():
+            if key == "output.weight" and self.args.tie_embeddings:
+                continue  # the embedding, stored once (HF folders of tied models hold no lm_head.weight)
             if key in _TOP_KEYS:
                 hf[_TOP_KEYS[key]] = t
                 continue
@@ -93,6 +108,8 @@ class Llama3StateDictAdapter(StateDictAdapter):
             elif name == "attention.wk.weight":
                 t = _half_to_interleaved(t, self.args.num_kv_heads)
             ours[f"layers.{layer}.{name}"] = t
+        if self.args.tie_embeddings and "tok_embeddings.weight" in ours:
+            ours.setdefault("output.weight", ours["tok_embeddings.weight"])
         return ours
 
 
@@ -142,54 +159,58 @@ def to_hf_config(args: TransformerModelArgs, dtype: torch.dtype = torch.bfloat16
         "max_position_embeddings": args.max_seq_len,
         "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": args.tie_embeddings,
         dtype_key: str(dtype).removeprefix("torch."),
     }
 
 
-def _rope_from_hf(config: dict) -> tuple[float, RopeScalingArgs | None]:
-    """(rope_theta, scaling) from either layout: 5.x `rope_parameters`, or 4.x top-level `rope_theta` and
-    `rope_scaling` (whose older spelling of rope_type is `type`)."""
-    params = config.get("rope_parameters")
-    if isinstance(params, dict):
-        theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-    else:
-        params = config.get("rope_scaling") or {}
-        theta = config.get("rope_theta", 10000.0)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return float(theta), None
-    if rope_type != "llama3":
-        raise ValueError(f"RoPE type {rope_type!r} is not supported for Llama 3 (default or llama3)")
-    return float(theta), RopeScalingArgs(
-        factor=params["factor"],
-        low_freq_factor=params["low_freq_factor"],
-        high_freq_factor=params["high_freq_factor"],
-        original_max_position_embeddings=params["original_max_position_embeddings"],
+def _rope_from_hf(reader: HFConfigReader) -> tuple[float, RopeScalingArgs | None]:
+    """(rope_theta, scaling) from either config layout; a rope type other than default/llama3, or an option
+    of it this model does not implement, is refused."""
+    rope = HFConfigReader(rope_dict(reader), f"{reader.where} rope parameters", reader.family)
+    theta = float(rope.req("rope_theta"))
+    kind = rope.expect("rope_type", ("default", "llama3"), "default")
+    if kind == "default":
+        rope.finish()
+        return theta, None
+    scaling = RopeScalingArgs(
+        factor=float(rope.req("factor")),
+        low_freq_factor=float(rope.req("low_freq_factor")),
+        high_freq_factor=float(rope.req("high_freq_factor")),
+        original_max_position_embeddings=int(rope.req("original_max_position_embeddings")),
     )
+    rope.finish()
+    return theta, scaling
 
 
-def from_hf_config(config: dict) -> TransformerModelArgs:
-    """Args reproducing an HF Llama config (transformers 4.x or 5.x layout). The FFN size is taken verbatim
-    (`ffn_hidden_dim`) since the recipe that produced it (multiple_of, ffn_dim_multiplier) is not recorded."""
-    n_heads = config["num_attention_heads"]
-    head_dim = config["hidden_size"] // n_heads
-    if (config.get("head_dim") or head_dim) != head_dim:
-        raise ValueError(
-            f"head_dim {config['head_dim']} != hidden_size / num_attention_heads ({head_dim}): not supported"
+def from_hf_config(config: dict, where: str = "config.json") -> TransformerModelArgs:
+    """Args reproducing an HF Llama config (transformers 4.x or 5.x layout); every key is read or refused
+    (protocols/hf_config.py). The FFN size is taken verbatim (`ffn_hidden_dim`) since the recipe that
+    produced it (multiple_of, ffn_dim_multiplier) is not recorded."""
+    r = HFConfigReader(config, where, "Llama 3 (--model.name llama3)")
+    dim, n_heads = int(r.req("hidden_size")), int(r.req("num_attention_heads"))
+    if dim % n_heads or r.opt("head_dim", dim // n_heads) != dim // n_heads:
+        raise UnsupportedHFConfig(
+            f"{where}: head_dim {r.opt('head_dim')} != hidden_size / num_attention_heads ({dim}/{n_heads}): "
+            f"this Llama derives the head size from them"
         )
-    if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (Llama uses silu)")
-    rope_theta, rope_scaling = _rope_from_hf(config)
-    return TransformerModelArgs(
-        dim=config["hidden_size"],
-        n_layers=config["num_hidden_layers"],
+    r.expect("hidden_act", "silu", "silu")
+    r.expect("attention_bias", False, False)
+    r.expect("mlp_bias", False, False)
+    r.expect("attention_dropout", 0.0, 0.0)
+    rope_theta, rope_scaling = _rope_from_hf(r)
+    args = TransformerModelArgs(
+        dim=dim,
+        n_layers=int(r.req("num_hidden_layers")),
         n_heads=n_heads,
-        n_kv_heads=config.get("num_key_value_heads") or n_heads,
-        vocab_size=config["vocab_size"],
-        ffn_hidden_dim=config["intermediate_size"],
-        norm_eps=config.get("rms_norm_eps", 1e-6),
+        n_kv_heads=int(r.opt("num_key_value_heads", n_heads)),
+        vocab_size=int(r.req("vocab_size")),
+        ffn_hidden_dim=int(r.req("intermediate_size")),
+        norm_eps=float(r.opt("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        max_seq_len=config["max_position_embeddings"],
+        max_seq_len=int(r.req("max_position_embeddings")),
+        tie_embeddings=bool(r.opt("tie_word_embeddings", False)),
     )
+    r.finish()
+    return args

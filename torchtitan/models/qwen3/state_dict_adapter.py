@@ -11,6 +11,7 @@ import re
 import torch
 
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
+from torchtitan.protocols.hf_config import HFConfigReader, UnsupportedHFConfig, rope_dict
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 # Inside `layers.{i}.` (ours) <-> inside `model.layers.{i}.` (HF).
@@ -40,6 +41,7 @@ _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 class Qwen3StateDictAdapter(StateDictAdapter):
     args: Qwen3ModelArgs
+    HF_MODEL_TYPES = ("qwen3",)
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Our FQNs -> HF names; works on any subset (e.g. one pipeline stage's state dict)."""
@@ -99,29 +101,39 @@ class Qwen3StateDictAdapter(StateDictAdapter):
         }
 
     @staticmethod
-    def from_hf_config(config: dict) -> Qwen3ModelArgs:
-        """Args reproducing an HF Qwen3 config; features this model does not implement are refused by name."""
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        unsupported = {
-            "hidden_act": config.get("hidden_act", "silu") != "silu",
-            "attention_bias": bool(config.get("attention_bias", False)),
-            "use_sliding_window": bool(config.get("use_sliding_window", False)),
-            "rope_scaling": rope.get("rope_type", rope.get("type", "default")) != "default",
-        }
-        for name, bad in unsupported.items():
-            if bad:
-                raise NotImplementedError(f"Qwen3 config with {name}={config.get(name, rope)!r} is not supported")
-        n_heads = config["num_attention_heads"]
-        return Qwen3ModelArgs(
-            dim=config["hidden_size"],
-            n_layers=config["num_hidden_layers"],
-            n_heads=n_heads,
-            n_kv_heads=config.get("num_key_value_heads") or n_heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // n_heads,
-            hidden_dim=config["intermediate_size"],
-            vocab_size=config["vocab_size"],
-            norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-            max_seq_len=config["max_position_embeddings"],
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        )
+    def from_hf_config(config: dict, where: str = "config.json") -> Qwen3ModelArgs:
+        """Args reproducing an HF Qwen3 config; every key is read or refused (protocols/hf_config.py)."""
+        r = HFConfigReader(config, where, "Qwen3 (--model.name qwen3)")
+        args = read_qwen3_config(r)
+        r.finish()
+        return args
+
+
+def read_qwen3_config(r: HFConfigReader) -> Qwen3ModelArgs:
+    """The dense Qwen3 part of a config (also the attention of Qwen3-MoE), read through `r`."""
+    r.expect("hidden_act", "silu", "silu")
+    r.expect("attention_bias", False, False)
+    r.expect("attention_dropout", 0.0, 0.0)
+    r.expect("use_sliding_window", False, False)
+    r.ignore("sliding_window", "max_window_layers")  # only used with use_sliding_window
+    layer_types = r.opt("layer_types", [])
+    if any(t != "full_attention" for t in layer_types):
+        raise UnsupportedHFConfig(f"{r.where}: layer_types {sorted(set(layer_types))}: only full attention is supported")
+    rope = HFConfigReader(rope_dict(r), f"{r.where} rope parameters", r.family)
+    rope.expect("rope_type", "default", "default")
+    theta = float(rope.req("rope_theta"))
+    rope.finish()
+    n_heads = int(r.req("num_attention_heads"))
+    return Qwen3ModelArgs(
+        dim=int(r.req("hidden_size")),
+        n_layers=int(r.req("num_hidden_layers")),
+        n_heads=n_heads,
+        n_kv_heads=int(r.opt("num_key_value_heads", n_heads)),
+        head_dim=int(r.opt("head_dim", r.req("hidden_size") // n_heads)),
+        hidden_dim=int(r.req("intermediate_size")),
+        vocab_size=int(r.req("vocab_size")),
+        norm_eps=float(r.opt("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        max_seq_len=int(r.req("max_position_embeddings")),
+        tie_embeddings=bool(r.opt("tie_word_embeddings", False)),
+    )

@@ -6,14 +6,16 @@ HF's Qwen3-MoE router has no balancing bias: a model whose bias moved (aux-loss-
 on export, since dropping the bias would change its routing.
 """
 
+import dataclasses
 import re
 
 import torch
 
 from torchtitan.components.moe.args import MoEArgs
 from torchtitan.components.moe.hf_experts import is_expert_key, stack_experts, unstack_experts
-from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter, read_qwen3_config
 from torchtitan.models.qwen3_moe.args import Qwen3MoeModelArgs
+from torchtitan.protocols.hf_config import HFConfigReader, UnsupportedHFConfig
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 _OURS_EXPERTS = re.compile(r"layers\.(\d+)\.moe\.experts\.(w[123])")
@@ -25,6 +27,12 @@ _HF_EXPERTS_PREFIX = re.compile(r"model\.layers\.(\d+)\.mlp\.experts")
 
 class Qwen3MoeStateDictAdapter(StateDictAdapter):
     args: Qwen3MoeModelArgs
+    HF_MODEL_TYPES = ("qwen3_moe",)
+
+    def hf_layout(self, key: str, shape: torch.Size):
+        if _OURS_BIAS.fullmatch(key):
+            return None  # HF's router has no bias; to_hf refuses a moved one
+        return super().hf_layout(key, shape)
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         hf, rest = {}, {}
@@ -77,14 +85,21 @@ class Qwen3MoeStateDictAdapter(StateDictAdapter):
         }
 
     @staticmethod
-    def from_hf_config(config: dict) -> Qwen3MoeModelArgs:
-        """Args of an HF Qwen3-MoE config (published: `num_experts`; transformers 5 writes `num_local_experts`)."""
-        if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
-            raise ValueError("Qwen3-MoE configs with dense blocks (mlp_only_layers / decoder_sparse_step) are not supported")
-        dense = Qwen3StateDictAdapter.from_hf_config(config)
+    def from_hf_config(config: dict, where: str = "config.json") -> Qwen3MoeModelArgs:
+        """Args of an HF Qwen3-MoE config (published: `num_experts`; transformers 5 writes `num_local_experts`);
+        every key is read or refused (protocols/hf_config.py)."""
+        r = HFConfigReader(config, where, "Qwen3-MoE (--model.name qwen3_moe)")
+        if r.opt("mlp_only_layers") or r.opt("decoder_sparse_step", 1) != 1:
+            raise UnsupportedHFConfig(
+                f"{where}: dense blocks (mlp_only_layers / decoder_sparse_step) are not supported: every block is MoE here"
+            )
+        dense = read_qwen3_config(r)
+        experts = r.opt("num_experts") or r.req("num_local_experts")
+        r.ignore("num_experts", "num_local_experts")
         moe = MoEArgs(
-            num_experts=config.get("num_experts") or config["num_local_experts"], num_shared_experts=0, hidden_dim=config["moe_intermediate_size"],
-            top_k=config["num_experts_per_tok"], score_func="softmax",
-            route_norm=bool(config.get("norm_topk_prob", False)), route_scale=1.0,
+            num_experts=int(experts), num_shared_experts=0, hidden_dim=int(r.req("moe_intermediate_size")),
+            top_k=int(r.req("num_experts_per_tok")), score_func="softmax",
+            route_norm=bool(r.opt("norm_topk_prob", False)), route_scale=1.0,
         )
-        return Qwen3MoeModelArgs(**{f.name: getattr(dense, f.name) for f in dense.__dataclass_fields__.values()}, moe=moe)
+        r.finish()
+        return Qwen3MoeModelArgs(**{f.name: getattr(dense, f.name) for f in dataclasses.fields(dense)}, moe=moe)
