@@ -46,6 +46,7 @@ _RULES = {
     "training.seq_len": _at_least(1),
     "training.steps": _at_least(1),
     "training.gc_freq": _at_least(1),
+    "training.loss_chunk_size": _minus_one_or_at_least(1, "no chunking"),
     "validation.freq": _at_least(1),
     "validation.steps": _minus_one_or_at_least(1, "the whole validation split"),
     "validation.local_batch_size": _at_least(1),
@@ -74,6 +75,9 @@ def check_job_values(cfg: JobConfig) -> None:
         if not ok(value):
             raise ValueError(f"--{option} must be {rule}, got {value}")
     check_schedule(cfg.lr_scheduler, cfg.training.steps)
+    if cfg.training.loss_chunk_size > cfg.training.seq_len:
+        raise ValueError(f"--training.loss_chunk_size {cfg.training.loss_chunk_size} is longer than the sequence "
+                         f"(--training.seq_len {cfg.training.seq_len}); use at most {cfg.training.seq_len}, or -1")
     _check_creatable_folder(cfg.job.dump_folder)
     t = cfg.training
     sources = [s for s, _ in parse_mixture(t.datasets)] if t.datasets else [t.dataset]
