@@ -3,21 +3,26 @@ their gradient, exists at once.
 
 The plain loss upcasts the whole logits to float32, keeps the float32 log-softmax for backward and builds a
 float32 gradient before casting it back: at Llama 3's 128k vocabulary those [tokens x vocab] float32 tensors
-are the largest allocations of a step. Here the forward computes each chunk's loss (float32 inside the chunk
-only) and saves nothing but the logits, which the model produced anyway; the backward recomputes each
-chunk's softmax and writes its gradient, in the logits' dtype, into one gradient buffer. The extra cost is
-one recomputed log-softmax per token (elementwise work, no matmul).
+are the largest allocations of a step. Here each chunk's float32 work happens inside the chunk only, and the gradient is written, chunk by chunk,
+in the logits' dtype into one buffer. Two ways to get a chunk's gradient:
+- plain tensors and the plain loss: the cross entropy written out; forward keeps each token's logsumexp
+  (float32 [tokens], tiny), backward computes softmax - one-hot from it. No more passes over the logits than
+  the unchunked loss makes, and no [tokens x vocab] zero-filled one-hot gradient.
+- a DTensor (TP's loss parallel: the logits are sharded over the vocabulary) or a compiled loss: backward
+  recomputes the chunk's `chunk_loss` and differentiates it, one extra log-softmax per token.
 
-Exact: each chunk runs the same `chunk_loss` as the unchunked loss, so the sum and the gradient equal the
-unchunked ones up to float32 summation order. Works with anything `chunk_loss` accepts: TP's loss parallel
-(the logits are a vocabulary-sharded DTensor; the chunks are sequence slices of it), the pipeline's last
-stage (it is the schedule's loss function), a compiled `chunk_loss`, and SFT's masked labels (-100).
+Exact: the sum and the gradient equal the unchunked ones up to float32 rounding (tests/unit/
+test_chunked_loss.py: 1e-6). Works under TP's loss parallel (the chunks are sequence slices of the sharded logits),
+on the pipeline's last stage (it is the schedule's loss function), with a compiled `chunk_loss`, and with
+SFT's masked labels (-100).
 """
 
 from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_sum
 
 ChunkLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -27,31 +32,56 @@ def chunk_bounds(seq_len: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk_size, seq_len)) for s in range(0, seq_len, chunk_size)]
 
 
+def _direct_chunk(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed token loss, per-token logsumexp) of a chunk: the cross entropy written out, so that backward
+    needs only the logsumexp, not a saved float32 log-softmax."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    trained = labels != IGNORE_INDEX
+    target = x.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(trained, lse - target, 0.0).sum(), lse
+
+
+def _direct_chunk_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+                       grad_total: torch.Tensor) -> torch.Tensor:
+    """d(summed token loss)/d(logits) of a chunk times grad_total: (softmax - one-hot) on trained tokens."""
+    trained = (labels != IGNORE_INDEX).unsqueeze(-1)
+    grad = (logits.float() - lse.unsqueeze(-1)).exp_()
+    grad.scatter_add_(-1, labels.clamp(min=0).unsqueeze(-1), torch.full_like(lse, -1.0).unsqueeze(-1))
+    return grad.mul_(trained * grad_total).to(logits.dtype)
+
+
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, chunk_loss: ChunkLoss, chunk_size: int):
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, chunk_loss: ChunkLoss | None, chunk_size: int):
         bounds = chunk_bounds(logits.size(1), chunk_size)
-        total = sum(chunk_loss(logits[:, s:e], labels[:, s:e]) for s, e in bounds)
-        ctx.save_for_backward(logits, labels)
         ctx.chunk_loss, ctx.bounds = chunk_loss, bounds
-        return total
+        if chunk_loss is None:  # plain tensors, the written-out loss: keep each token's logsumexp
+            sums, lses = zip(*(_direct_chunk(logits[:, s:e], labels[:, s:e]) for s, e in bounds))
+            ctx.save_for_backward(logits, labels, torch.cat(lses, dim=1))
+            return sum(sums)
+        ctx.save_for_backward(logits, labels)
+        return sum(chunk_loss(logits[:, s:e], labels[:, s:e]) for s, e in bounds)
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
-        logits, labels = ctx.saved_tensors
+        logits, labels, *lse = ctx.saved_tensors
         # A plain tensor's chunk gradients go straight into one buffer; a DTensor's (loss parallel) are
         # concatenated, since writing into a slice of a DTensor is not a DTensor operation.
         buffer = None if isinstance(logits, DTensor) else torch.empty_like(logits)
         parts = []
         for s, e in ctx.bounds:
-            with torch.enable_grad():
-                chunk = logits[:, s:e].detach().requires_grad_()
-                (grad,) = torch.autograd.grad(ctx.chunk_loss(chunk, labels[:, s:e]), chunk, grad_total)
+            if lse:
+                grad = _direct_chunk_grad(logits[:, s:e], labels[:, s:e], lse[0][:, s:e], grad_total)
+            else:  # recompute the chunk's loss and differentiate it (DTensor ops, a compiled loss)
+                with torch.enable_grad():
+                    chunk = logits[:, s:e].detach().requires_grad_()
+                    (grad,) = torch.autograd.grad(ctx.chunk_loss(chunk, labels[:, s:e]), chunk, grad_total)
             if buffer is None:
                 parts.append(grad)
             else:
                 buffer[:, s:e].copy_(grad)
-            del grad, chunk
+            del grad
         return (buffer if buffer is not None else torch.cat(parts, dim=1)), None, None, None
 
 
@@ -65,6 +95,7 @@ def chunked_loss(chunk_loss: ChunkLoss, chunk_size: int) -> ChunkLoss:
         if not torch.is_grad_enabled() or not logits.requires_grad:  # validation: nothing to save
             with torch.no_grad():
                 return sum(chunk_loss(logits[:, s:e], labels[:, s:e]) for s, e in chunk_bounds(logits.size(1), chunk_size))
-        return _ChunkedLoss.apply(logits, labels, chunk_loss, chunk_size)
+        direct = chunk_loss is cross_entropy_sum and not isinstance(logits, DTensor)
+        return _ChunkedLoss.apply(logits, labels, None if direct else chunk_loss, chunk_size)
 
     return loss

@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.chunked_loss import chunk_bounds, chunked_loss
 from torchtitan.config.job_config import JobConfig
 
 IGNORE_INDEX = -100
@@ -30,6 +29,7 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 def build_cross_entropy_loss(job_config: JobConfig):
     """The summed token cross entropy, compiled if the job compiles the loss, over sequence chunks of
     `training.loss_chunk_size` positions when that is set (the compiled kernel is then each chunk's)."""
+    from torchtitan.components.chunked_loss import chunked_loss
     from torchtitan.distributed.compile import compile_loss, compiles
 
     loss = compile_loss(cross_entropy_sum) if compiles(job_config, "loss") else cross_entropy_sum
@@ -56,7 +56,8 @@ def per_source_loss_sums(
     with torch.no_grad():
         out = torch.zeros(2, num_sources, device=labels.device)
         # Over sequence chunks: a float32 copy of the whole logits is what the chunked loss avoids.
-        for s, e in chunk_bounds(logits.size(1), _SOURCE_LOSS_CHUNK):
+        for s in range(0, logits.size(1), _SOURCE_LOSS_CHUNK):
+            e = s + _SOURCE_LOSS_CHUNK
             token_loss = F.cross_entropy(
                 logits[:, s:e].flatten(0, 1).float(), labels[:, s:e].flatten(0, 1), reduction="none",
                 ignore_index=IGNORE_INDEX,
