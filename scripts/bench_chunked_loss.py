@@ -9,7 +9,8 @@ A step: forward under bf16 autocast (the default CPU recipe without FSDP), the j
 process, and the figure is its peak RSS during the steps minus its RSS before the first step (the model and
 the batch): what the step itself needs, activations, logits and gradients included (CPU: process RSS, which
 counts everything the process holds). The logits' own size is printed beside it. Time: a third child runs
-both losses on one model, alternating step by step; medians after one warm-up step each.
+both losses on one model, alternating step by step, then the loss alone on fixed logits (forward +
+backward), alternating too; medians after one warm-up step each.
 """
 
 import argparse
@@ -81,7 +82,19 @@ def _time_child(a, queue):
             values[name].append(step(fn))
             if rep:
                 times[name].append(time.perf_counter() - t0)
-    queue.put((times, values))
+    # The loss alone (forward + backward on fixed logits): the part chunking changes, without the noise
+    # of the rest of the step.
+    logits = torch.randn(a.batch, a.seq_len, a.vocab, dtype=getattr(torch, a.dtype)).requires_grad_()
+    labels = torch.randint(0, a.vocab, (a.batch, a.seq_len), generator=torch.Generator().manual_seed(1))
+    loss_times = {name: [] for name in losses}
+    for rep in range(a.steps + 1):
+        for name, fn in losses.items():
+            t0 = time.perf_counter()
+            fn(logits, labels).backward()
+            logits.grad = None
+            if rep:
+                loss_times[name].append(time.perf_counter() - t0)
+    queue.put((times, values, loss_times))
 
 
 def _child(target, *args):
@@ -110,7 +123,7 @@ def main() -> None:
     for name in names:
         got, mib, grew = _child(_memory_child, a, name)
         memory[got] = (mib / _MIB, grew)
-    times, values = _child(_time_child, a)
+    times, values, loss_times = _child(_time_child, a)
     tokens = a.batch * a.seq_len
     logits_mib = tokens * a.vocab * torch.finfo(getattr(torch, a.dtype)).bits / 8 / _MIB
     print(f"llama3 {a.flavor}, vocab {a.vocab}, batch {a.batch} x seq {a.seq_len}, {a.dtype} autocast, "
@@ -124,8 +137,10 @@ def main() -> None:
         print(f"| {name} | {mib:,.0f}{'' if grew else ' (<= earlier peak)'} | {med:.3f} "
               f"({min(times[name]):.3f}-{max(times[name]):.3f}) | {tokens / med:,.0f} | {values[name][-1]:.4f} |")
     plain, chunked = (statistics.median(times[n]) for n in names)
+    loss_plain, loss_chunked = (statistics.median(loss_times[n]) for n in names)
+    print(f"the loss alone (forward + backward, s, median): plain {loss_plain:.3f}, chunked {loss_chunked:.3f}")
     print(f"peak memory chunked / plain: {memory[names[1]][0] / memory[names[0]][0]:.2f}; "
-          f"tokens/s chunked / plain: {plain / chunked:.3f}")
+          f"tokens/s chunked / plain: {plain / chunked:.3f} (whole step), {loss_plain / loss_chunked:.3f} (the loss alone)")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,9 @@ The plain loss upcasts the whole logits to float32, keeps the float32 log-softma
 float32 gradient before casting it back: at Llama 3's 128k vocabulary those [tokens x vocab] float32 tensors
 are the largest allocations of a step. Here each chunk's float32 work happens inside the chunk only, and the gradient is written, chunk by chunk,
 in the logits' dtype into one buffer. Two ways to get a chunk's gradient:
-- plain tensors and the plain loss: the cross entropy written out; forward keeps each token's logsumexp
-  (float32 [tokens], tiny), backward computes softmax - one-hot from it. No more passes over the logits than
-  the unchunked loss makes, and no [tokens x vocab] zero-filled one-hot gradient.
+- plain tensors and the plain loss: the cross entropy written out; backward computes softmax - one-hot
+  from the chunk's logits (one fused softmax). No more passes over the logits than the unchunked loss
+  makes (it zero-fills a [tokens x vocab] one-hot gradient and reads the saved log-softmax instead).
 - a DTensor (TP's loss parallel: the logits are sharded over the vocabulary) or a compiled loss: backward
   recomputes the chunk's `chunk_loss` and differentiates it, one extra log-softmax per token.
 
@@ -32,23 +32,18 @@ def chunk_bounds(seq_len: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk_size, seq_len)) for s in range(0, seq_len, chunk_size)]
 
 
-def _direct_chunk(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed token loss, per-token logsumexp) of a chunk: the cross entropy written out, so that backward
-    needs only the logsumexp, not a saved float32 log-softmax."""
-    x = logits.float()
-    lse = torch.logsumexp(x, dim=-1)
-    trained = labels != IGNORE_INDEX
-    target = x.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return torch.where(trained, lse - target, 0.0).sum(), lse
+def _direct_chunk(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The summed token loss of a chunk, the cross entropy written out (-log p of each trained target)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    target = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return -torch.where(labels != IGNORE_INDEX, target, 0.0).sum()
 
 
-def _direct_chunk_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
-                       grad_total: torch.Tensor) -> torch.Tensor:
+def _direct_chunk_grad(logits: torch.Tensor, labels: torch.Tensor, grad_total: torch.Tensor) -> torch.Tensor:
     """d(summed token loss)/d(logits) of a chunk times grad_total: (softmax - one-hot) on trained tokens."""
-    trained = (labels != IGNORE_INDEX).unsqueeze(-1)
-    grad = (logits.float() - lse.unsqueeze(-1)).exp_()
-    grad.scatter_add_(-1, labels.clamp(min=0).unsqueeze(-1), torch.full_like(lse, -1.0).unsqueeze(-1))
-    return grad.mul_(trained * grad_total).to(logits.dtype)
+    grad = torch.softmax(logits.float(), dim=-1)
+    grad.scatter_add_(-1, labels.clamp(min=0).unsqueeze(-1), grad.new_full((*labels.shape, 1), -1.0))
+    return grad.mul_((labels != IGNORE_INDEX).unsqueeze(-1) * grad_total).to(logits.dtype)
 
 
 class _ChunkedLoss(torch.autograd.Function):
@@ -56,23 +51,19 @@ class _ChunkedLoss(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, chunk_loss: ChunkLoss | None, chunk_size: int):
         bounds = chunk_bounds(logits.size(1), chunk_size)
         ctx.chunk_loss, ctx.bounds = chunk_loss, bounds
-        if chunk_loss is None:  # plain tensors, the written-out loss: keep each token's logsumexp
-            sums, lses = zip(*(_direct_chunk(logits[:, s:e], labels[:, s:e]) for s, e in bounds))
-            ctx.save_for_backward(logits, labels, torch.cat(lses, dim=1))
-            return sum(sums)
         ctx.save_for_backward(logits, labels)
-        return sum(chunk_loss(logits[:, s:e], labels[:, s:e]) for s, e in bounds)
+        return sum((chunk_loss or _direct_chunk)(logits[:, s:e], labels[:, s:e]) for s, e in bounds)
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
-        logits, labels, *lse = ctx.saved_tensors
+        logits, labels = ctx.saved_tensors
         # A plain tensor's chunk gradients go straight into one buffer; a DTensor's (loss parallel) are
         # concatenated, since writing into a slice of a DTensor is not a DTensor operation.
         buffer = None if isinstance(logits, DTensor) else torch.empty_like(logits)
         parts = []
         for s, e in ctx.bounds:
-            if lse:
-                grad = _direct_chunk_grad(logits[:, s:e], labels[:, s:e], lse[0][:, s:e], grad_total)
+            if ctx.chunk_loss is None:
+                grad = _direct_chunk_grad(logits[:, s:e], labels[:, s:e], grad_total)
             else:  # recompute the chunk's loss and differentiate it (DTensor ops, a compiled loss)
                 with torch.enable_grad():
                     chunk = logits[:, s:e].detach().requires_grad_()
