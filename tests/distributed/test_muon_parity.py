@@ -1,14 +1,19 @@
-"""Muon under FSDP and TP equals Muon in one process.
+"""Muon under FSDP, TP and EP equals Muon in one process, with each matrix's Newton-Schulz done once.
 
-Newton-Schulz needs each whole matrix; torchtitan gathers the sharded momentum, orthogonalises it on every
-rank and keeps the local shard (torchtitan/components/muon.py). Proved two ways:
-- the trainer, fp32, same seed and batches (tests/distributed/trainer_runs.py): FSDP 2, TP 2 and
-  TP 2 x FSDP 2 log the same per-step loss and grad norm as one process, within the 2D parity tests'
-  tolerances (loss 1e-5, grad norm 5e-5, relative; test_parity_2d.py explains them). Measured over 10
-  steps: loss <= 1.3e-7, grad norm <= 2.2e-5.
+Newton-Schulz needs each whole matrix; torchtitan gathers each sharded update to one owner rank of its
+mesh, which orthogonalises it and scatters the result back (torchtitan/components/muon_distributed.py).
+Proved three ways:
+- the trainer, fp32, same seed and batches (tests/distributed/trainer_runs.py): FSDP 2, FSDP 4 and TP 2 x
+  FSDP 2 log the same per-step loss and grad norm as one process, within the 2D parity tests'
+  tolerances (loss 1e-5, grad norm 5e-5, relative; test_parity_2d.py explains them); so does the MoE debug
+  model (deepseek_v3: attention and router gates are Muon matrices beside the AdamW experts) under EP 2 on
+  4 ranks (the dense matrices under FSDP 4),
+  within the same tolerances. At FSDP 4 the probe counts each rank's Newton-Schulz FLOPs: every matrix is
+  orthogonalised exactly once over the four ranks (the FLOPs sum to one process's), and each rank's share is
+  at most total/4 + the largest matrix's (assign_owners' bound).
 - the orthogonalisation alone on a 2 x 2 mesh, for every placement the appliers produce (FSDP Shard(0),
-  TP Shard(0)/Shard(1), both, and FSDP-over-TP's strided shard), uneven shards too: bit-identical
-  to one process.
+  TP Shard(0)/Shard(1), both, FSDP-over-TP's strided shard, replicated), uneven shards too, all in one call
+  (one schedule of gathers and scatters): bit-identical to one process.
 Negative control: orthogonalising only the local shard (the tempting shortcut) fails the parity.
 """
 
@@ -33,28 +38,55 @@ def reference(tmp_path_factory):
     return curves(steps)
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "tp2_fsdp2"])
+def _ns_work(trainer):
+    """(this rank's Newton-Schulz FLOPs over the run, one process's FLOPs per step, the largest matrix's)."""
+    from torchtitan.components.muon_distributed import ns_flops
+
+    (optimizer,) = trainer.optimizers.optimizers
+    shapes = [tuple(p.shape) for g in optimizer.param_groups if g["use_muon"] for p in g["params"]]
+    per_matrix = [ns_flops(shape, optimizer.defaults["ns_steps"]) for shape in shapes]
+    return optimizer.orthogonaliser.flops_done, sum(per_matrix), max(per_matrix)
+
+
+# TP 2 alone is covered by TP 2 x FSDP 2 and by the placement test below.
+@pytest.mark.parametrize("layout", ["fsdp2", "fsdp4", "tp2_fsdp2"])
 def test_muon_layout_matches_single_process(layout, reference, tmp_path):
     world, argv = LAYOUTS[layout]
-    steps, _ = train(world, MUON + argv, str(tmp_path))
+    steps, work = train(world, MUON + argv, str(tmp_path), probe=_ns_work)
     assert_parity(curves(steps), reference)
+    if layout == "fsdp4":
+        done = [w[0] for w in work]
+        _, per_step, largest = work[0]
+        n_steps = len(steps)
+        assert sum(done) == per_step * n_steps, "each matrix orthogonalised exactly once per step"
+        assert max(done) <= (per_step / 4 + largest) * n_steps, (done, per_step, largest)
+        assert min(done) > 0  # every rank took a share
+
+
+def test_muon_under_expert_parallel_matches_single_process(tmp_path):
+    from tests.distributed.test_moe_parity import LAYOUTS as MOE_LAYOUTS
+    from tests.distributed.test_moe_parity import MOE
+
+    moe_muon = MOE + MUON + ["--training.steps", "3"]
+    single, _ = train(1, moe_muon + ["--training.local_batch_size", "4"], str(tmp_path / "single"))
+    world, argv = MOE_LAYOUTS["ep2_fsdp2"]
+    ep, _ = train(world, moe_muon + argv, str(tmp_path / "ep"))
+    assert len(ep) == 3
+    assert_parity(curves(ep), curves(single))
 
 
 def _orthogonalise_local_shard_only(rank, world_size):
-    """Breaks Muon on purpose: each rank orthogonalises its own shard of the momentum as if it were the
+    """Breaks Muon on purpose: each rank orthogonalises its own shard of the update as if it were the
     whole matrix (no gather)."""
     from torch.distributed.tensor import DTensor
 
-    from torchtitan.components import muon
+    from torchtitan.components.muon_distributed import DistributedOrthogonaliser
 
-    def local_only(update, steps, ns_dtype):
-        if not isinstance(update, DTensor):
-            return muon.newton_schulz(update, steps, torch.float32)
-        ortho = muon.newton_schulz(update.to_local(), steps, torch.float32).to(update.dtype)
-        return DTensor.from_local(ortho, update.device_mesh, update.placements, run_check=False,
-                                  shape=update.shape, stride=update.stride())
+    def local_only(self, updates, steps, ns):
+        return [DTensor.from_local(ns(u.to_local()), u.device_mesh, u.placements, run_check=False,
+                                   shape=u.shape, stride=u.stride()) for u in updates]
 
-    muon.orthogonalise = local_only
+    DistributedOrthogonaliser._on_mesh = local_only
 
 
 def test_parity_catches_orthogonalising_the_local_shard(reference, tmp_path):
@@ -69,26 +101,27 @@ def _orthogonalise_on_mesh(rank, world_size):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from torchtitan.components.muon import newton_schulz, orthogonalise
+    from torchtitan.components.muon import newton_schulz
+    from torchtitan.components.muon_distributed import DistributedOrthogonaliser
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
-    results = []
-    for shape in [(24, 40), (25, 39)]:
+    updates, expected = [], []
+    for shape in [(24, 40), (25, 39), (3, 5)]:
         g = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
-        expected = newton_schulz(g, 5, torch.float32)
-        layouts = [(Shard(0), Replicate()), (Replicate(), Shard(1)), (Shard(0), Shard(1))]
+        ortho = newton_schulz(g, 5, torch.float32)
+        layouts = [(Shard(0), Replicate()), (Replicate(), Shard(1)), (Shard(0), Shard(1)), (Replicate(), Replicate())]
         if shape[0] % 4 == 0:  # distribute_tensor cannot build an uneven strided shard (FSDP pads its own)
             layouts.append((_StridedShard(0, split_factor=2), Shard(0)))
         for placements in layouts:
-            sharded = distribute_tensor(g, mesh, placements)
-            got = orthogonalise(sharded, 5, "float32")
-            local_expected = distribute_tensor(expected, mesh, placements).to_local()
-            results.append((shape, str(placements), got.placements == sharded.placements,
-                            torch.equal(got.to_local(), local_expected)))
-    return results
+            updates.append(distribute_tensor(g, mesh, placements))
+            expected.append((shape, str(placements), distribute_tensor(ortho, mesh, placements).to_local()))
+    got = DistributedOrthogonaliser()(updates, 5, lambda m: newton_schulz(m, 5, torch.float32))
+    return [(shape, placements, o.placements == u.placements, torch.equal(o.to_local(), local))
+            for (shape, placements, local), o, u in zip(expected, got, updates)]
 
 
 def test_orthogonalise_every_placement_equals_one_process():
     for rank_results in run_ranks(_orthogonalise_on_mesh, 4):
+        assert len(rank_results) == 13
         for shape, placements, same_placements, equal in rank_results:
             assert same_placements and equal, (shape, placements)

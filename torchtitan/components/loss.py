@@ -27,9 +27,14 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 
 
 def build_cross_entropy_loss(job_config: JobConfig):
+    """The summed token cross entropy, compiled if the job compiles the loss, over sequence chunks of
+    `training.loss_chunk_size` positions when that is set (the compiled kernel is then each chunk's)."""
+    from torchtitan.components.chunked_loss import chunked_loss
     from torchtitan.distributed.compile import compile_loss, compiles
 
-    return compile_loss(cross_entropy_sum) if compiles(job_config, "loss") else cross_entropy_sum
+    loss = compile_loss(cross_entropy_sum) if compiles(job_config, "loss") else cross_entropy_sum
+    chunk = job_config.training.loss_chunk_size
+    return chunked_loss(loss, chunk) if chunk > 0 else loss
 
 
 def pop_source_ids(inputs):
@@ -49,17 +54,23 @@ def per_source_loss_sums(
     Summed over data- and context-parallel ranks, loss/<source> = row 0 / row 1 is each source's mean token
     loss of the step, weighted like the training loss."""
     with torch.no_grad():
-        token_loss = F.cross_entropy(
-            logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="none", ignore_index=IGNORE_INDEX
-        )
-        if isinstance(token_loss, DTensor):  # loss parallel
-            token_loss = token_loss.full_tensor()
-        ids = source_ids.flatten()
-        trained = (labels.flatten() != IGNORE_INDEX).float()
-        out = torch.zeros(2, num_sources, device=token_loss.device)
-        out[0].index_add_(0, ids, token_loss.float())
-        out[1].index_add_(0, ids, trained)
+        out = torch.zeros(2, num_sources, device=labels.device)
+        # Over sequence chunks: a float32 copy of the whole logits is what the chunked loss avoids.
+        for s in range(0, logits.size(1), _SOURCE_LOSS_CHUNK):
+            e = s + _SOURCE_LOSS_CHUNK
+            token_loss = F.cross_entropy(
+                logits[:, s:e].flatten(0, 1).float(), labels[:, s:e].flatten(0, 1), reduction="none",
+                ignore_index=IGNORE_INDEX,
+            )
+            if isinstance(token_loss, DTensor):  # loss parallel
+                token_loss = token_loss.full_tensor()
+            ids = source_ids[:, s:e].flatten()
+            out[0].index_add_(0, ids, token_loss.float())
+            out[1].index_add_(0, ids, (labels[:, s:e].flatten() != IGNORE_INDEX).float())
     return out
+
+
+_SOURCE_LOSS_CHUNK = 1024  # sequence positions per chunk of the per-source loss (no grad: any size is exact)
 
 
 def per_source_metrics(sums: torch.Tensor, names: list[str]) -> dict[str, float]:

@@ -13,12 +13,13 @@ update, the AdamW learning rate and weight decay serve both parameter kinds unch
 so one `--optimizer.lr` and one LR schedule drive the whole model. (The other common rule,
 sqrt(max(1, m/n)), needs its own, larger learning rate for the matrices.)
 
-Distributed: Newton-Schulz needs the whole matrix. A DTensor momentum (FSDP's Shard(0), TP's Shard(0) or
-Shard(1), or both on a 2-D mesh) is gathered with `full_tensor()`, every rank orthogonalises the same
-matrix, and keeps its own shard of the result, which costs no communication: the result is exact, equal to
-what one process computes. Cost per step: one all-gather of each Muon matrix (in the momentum's dtype),
-about the traffic of one extra FSDP parameter all-gather, and every rank repeats the Newton-Schulz work.
-See docs/optimizers.md.
+Distributed: Newton-Schulz needs the whole matrix. A DTensor update (FSDP's Shard(0), TP's Shard(0) or
+Shard(1), both on a 2-D mesh, HSDP) is orthogonalised ONCE per mesh: each matrix has an owner rank, chosen
+to balance the ranks' Newton-Schulz FLOPs, which gathers the matrix, orthogonalises it and scatters the
+result back as the other ranks' shards (components/muon_distributed.py). The result is exact, equal to what
+one process computes. Cost per step and rank: the Newton-Schulz FLOPs of its own matrices (at most 1/N of
+the total plus the largest matrix's), and each row block to its owner and back, about the traffic of one
+extra FSDP parameter all-gather in the momentum's dtype. See docs/optimizers.md.
 """
 
 import math
@@ -26,9 +27,9 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.adamw import adamw
 
+from torchtitan.components.muon_distributed import DistributedOrthogonaliser
 from torchtitan.tools.precision import DTYPES
 
 # Quintic Newton-Schulz coefficients from Keller Jordan's Muon: they maximise the slope at zero, so five
@@ -84,20 +85,6 @@ def ns_dtype_for(setting: str, device: torch.device) -> torch.dtype:
     return DTYPES[setting]
 
 
-def orthogonalise(update: torch.Tensor, steps: int, ns_dtype: str) -> torch.Tensor:
-    """Newton-Schulz of the WHOLE matrix, returned in `update`'s layout and dtype.
-
-    A DTensor is gathered (every mesh dimension it is sharded over), orthogonalised identically on every
-    rank, and re-sharded to its own placements by slicing locally."""
-    if isinstance(update, DTensor):
-        full = update.full_tensor()
-        ortho = newton_schulz(full, steps, ns_dtype_for(ns_dtype, full.device)).to(update.dtype)
-        replicated = DTensor.from_local(ortho, update.device_mesh, [Replicate()] * update.device_mesh.ndim,
-                                        run_check=False)
-        return replicated.redistribute(update.device_mesh, update.placements)
-    return newton_schulz(update, steps, ns_dtype_for(ns_dtype, update.device)).to(update.dtype)
-
-
 class MuonWithAdamW(torch.optim.Optimizer):
     """One optimizer over two kinds of param groups: `use_muon=True` groups step with Muon, the others
     with torch's AdamW (its functional kernel, so they match torch.optim.AdamW exactly and keep its state
@@ -106,7 +93,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     Muon step, per matrix W (m x n) with gradient G:
         B <- momentum * B + G
         U <- G + momentum * B            (Nesterov; B without it)
-        O <- NewtonSchulz(U)             (the whole matrix, also when W is sharded)
+        O <- NewtonSchulz(U)             (the whole matrix, on one rank of its mesh when W is sharded)
         W <- W * (1 - lr * weight_decay) - lr * update_rms * sqrt(max(m, n)) * O
     """
 
@@ -130,6 +117,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
                         nesterov=nesterov, ns_steps=ns_steps, ns_dtype=ns_dtype, update_rms=update_rms,
                         foreach=foreach, fused=fused, use_muon=False)
         super().__init__(param_groups, defaults)
+        self.orthogonaliser = DistributedOrthogonaliser()
         for group in self.param_groups:
             if group["use_muon"]:
                 for p in group["params"]:
@@ -151,6 +139,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict) -> None:
         lr, momentum = group["lr"], group["momentum"]
+        params, updates = [], []
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -159,8 +148,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(p)
             buf = state["momentum_buffer"]
             buf.mul_(momentum).add_(p.grad)
-            update = p.grad.add(buf, alpha=momentum) if group["nesterov"] else buf
-            ortho = orthogonalise(update, group["ns_steps"], group["ns_dtype"])
+            params.append(p)
+            updates.append(p.grad.add(buf, alpha=momentum) if group["nesterov"] else buf)
+        steps, ns_dtype = group["ns_steps"], group["ns_dtype"]
+
+        def ns(matrix: torch.Tensor) -> torch.Tensor:
+            return newton_schulz(matrix, steps, ns_dtype_for(ns_dtype, matrix.device)).to(matrix.dtype)
+
+        for p, ortho in zip(params, self.orthogonaliser(updates, steps, ns)):
             scale = group["update_rms"] * math.sqrt(max(p.shape))  # the global shape, also for a DTensor
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(ortho, alpha=-lr * scale)

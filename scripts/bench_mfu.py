@@ -1,0 +1,174 @@
+"""MFU where matmuls dominate: a 1B-shaped Llama slice trained a few steps, with a per-op time breakdown,
+the framework's step against a bare PyTorch loop on the same model and kernels, before and after tuning.
+
+    python scripts/bench_mfu.py [--layers 2] [--seq-len 2048] [--batch 1] [--steps 2] [--dtype bfloat16]
+
+The shape: Llama 3.2 1B's block (dim 2048, 16 heads, 8 kv heads, FFN 8192) and its
+vocabulary (128256), `--layers` blocks, the llama3 `Transformer` built from `TransformerModelArgs` (the
+flavor machinery's args; any shape a flavor can name). Parameters in `--dtype` (bfloat16: this CPU
+multiplies bf16 natively; no autocast then), one model and optimizer shared by every variant:
+- framework, before: torchtitan's loss (`build_cross_entropy_loss`, unchunked), its optimizer builder
+  (AdamW, foreach), its gradient clipping: the defaults;
+- bare PyTorch: the same model, F.cross_entropy on float32 logits, torch.optim.AdamW (foreach),
+  torch.nn.utils.clip_grad_norm_;
+- framework, after: chunked loss (`--chunk`) and AdamW's fused kernel.
+Variants alternate step by step after one warm-up step each; medians. MFU = model FLOPs (the llama3
+args' `flops_per_token`: 6 x non-embedding params + attention) / step time / the measured peak (the best
+large bf16 GEMM, torchtitan.tools.device_peak). Memory: peak RSS of the process (CPU). The breakdown: one
+profiled step per variant, self CPU time by op kind.
+"""
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, not an installed copy
+
+KINDS = ("matmul", "attention", "norms/RoPE/activations/other", "loss", "optimizer")
+
+
+def _kind(event, optimizer_ranges) -> str:
+    name = event.name
+    if any(r.time_range.start <= event.time_range.start and event.time_range.end <= r.time_range.end
+           and r.thread == event.thread for r in optimizer_ranges) or "adam" in name or "_foreach" in name:
+        return "optimizer"
+    if name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"):
+        return "matmul"
+    if "scaled_dot_product" in name or "flash_attention" in name:
+        return "attention"
+    if any(k in name for k in ("log_softmax", "nll_loss", "aten::softmax", "_softmax", "logsumexp", "scatter_add")):
+        return "loss"
+    return "norms/RoPE/activations/other"
+
+
+def breakdown(step) -> dict[str, float]:
+    """Self CPU seconds of one step by op kind."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("step"):
+            step(profiled=record_function)
+    events = [e for e in prof.events() if not e.name.startswith("<") and e.name != "step"]
+    optimizer_ranges = [e for e in events if e.name == "optimizer"]
+    out = dict.fromkeys(KINDS, 0.0)
+    for e in events:
+        if e.name in ("optimizer", "loss"):
+            continue
+        out[_kind(e, optimizer_ranges)] += e.self_cpu_time_total / 1e6
+    return out
+
+
+def main() -> None:
+    from torchtitan.components.loss import build_cross_entropy_loss
+    from torchtitan.components.optimizer import build_optimizers
+    from torchtitan.config.job_config import JobConfig
+    from torchtitan.distributed.utils import clip_grad_norm_
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+    from torchtitan.tools.device_peak import peak_flops
+    from torchtitan.tools.memory import _peak_rss_bytes
+    from torchtitan.tools.params import count_params
+    from torchtitan.tools.precision import cpu_model_name
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    a = p.parse_args()
+    dtype = getattr(torch, a.dtype)
+
+    args = TransformerModelArgs(dim=2048, n_layers=a.layers, n_heads=16, n_kv_heads=8, vocab_size=128256,
+                                ffn_dim_multiplier=1.5, multiple_of=256, rope_theta=500000, max_seq_len=a.seq_len)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    model.to(dtype)
+    ffn = model.layers["0"].feed_forward.w1.weight.shape[0]
+    _, non_embedding = count_params(model)
+    flops_per_step = args.flops_per_token(non_embedding, a.seq_len) * a.batch * a.seq_len
+    tokens = torch.randint(0, args.vocab_size, (a.batch, a.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+
+    cfg = JobConfig()
+    cfg.optimizer.lr = 1e-5
+    plain_loss = build_cross_entropy_loss(cfg)
+    cfg.training.loss_chunk_size = a.chunk
+    chunked = build_cross_entropy_loss(cfg)
+    container = build_optimizers([model], cfg.optimizer)
+    (adamw,) = container.optimizers
+    params = list(model.parameters())
+
+    def set_fused(fused: bool) -> None:
+        for g in adamw.param_groups:
+            g["foreach"], g["fused"] = not fused, fused
+
+    def framework(loss_fn, fused):
+        def step(profiled=None):
+            set_fused(fused)
+            logits = model(inputs)
+            with (profiled("loss") if profiled else contextlib.nullcontext()):
+                loss = loss_fn(logits, labels) / labels.numel()
+            loss.backward()
+            clip_grad_norm_(params, 1.0)
+            with (profiled("optimizer") if profiled else contextlib.nullcontext()):
+                container.step()
+            container.zero_grad()
+        return step
+
+    def bare(profiled=None):
+        set_fused(False)
+        logits = model(inputs)
+        with (profiled("loss") if profiled else contextlib.nullcontext()):
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        with (profiled("optimizer") if profiled else contextlib.nullcontext()):
+            adamw.step()
+        adamw.zero_grad(set_to_none=True)
+
+    variants = {
+        "framework, before (plain loss, foreach AdamW)": framework(plain_loss, False),
+        "bare PyTorch (same kernels)": bare,
+        f"framework, after (chunked loss {a.chunk}, fused AdamW)": framework(chunked, True),
+    }
+    peak = peak_flops(torch.device("cpu"), dtype)
+    times = {name: [] for name in variants}
+    for rep in range(a.steps + 1):
+        for name, step in variants.items():
+            t0 = time.perf_counter()
+            step()
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+    rss = _peak_rss_bytes()
+    kinds = {name: breakdown(step) for name, step in variants.items()}
+
+    print(f"Llama slice: dim 2048, {args.n_heads} heads, {args.n_kv_heads} kv heads, FFN {ffn}, vocab {args.vocab_size}, "
+          f"{a.layers} layers, batch {a.batch} x seq {a.seq_len}, {a.dtype} parameters; {torch.get_num_threads()} threads, "
+          f"{cpu_model_name()}, torch {torch.__version__}")
+    print(f"model FLOPs per step {flops_per_step / 1e12:.2f} TFLOP; measured peak (best large {a.dtype} GEMM) "
+          f"{peak / 1e9:,.0f} GFLOP/s; process peak RSS {rss / 2**30:.1f} GiB")
+    print("| variant | step s (median, min-max) | tokens/s | MFU | " + " | ".join(f"{k} %" for k in KINDS) + " |")
+    print("|---|---|---|---|" + "---|" * len(KINDS))
+    for name in variants:
+        med = statistics.median(times[name])
+        total = sum(kinds[name].values())
+        shares = " | ".join(f"{100 * kinds[name][k] / total:.1f}" for k in KINDS)
+        print(f"| {name} | {med:.2f} ({min(times[name]):.2f}-{max(times[name]):.2f}) | "
+              f"{a.batch * a.seq_len / med:,.0f} | {100 * flops_per_step / med / peak:.1f}% | {shares} |")
+    names = list(variants)
+    before, bare_s, after = (statistics.median(times[n]) for n in names)
+    print(f"framework before / bare: {bare_s / before:.3f}x tokens/s; after / before: {before / after:.3f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""The chunked cross entropy under TP's loss parallel (vocabulary-sharded DTensor logits, 2 gloo ranks) equals
+the plain loss in one process: the loss and the logits' gradient (fp32, 1e-6), the gradient still sharded
+over the vocabulary. (One process, the plain tensors: tests/unit/test_chunked_loss.py.)"""
+
+import pytest
+import torch
+
+from tests.multiprocess import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 19, 64, generator=g)
+    labels = torch.randint(0, 64, (2, 19), generator=g)
+    labels[0, :4] = -100
+    return logits, labels
+
+
+def _chunked_under_loss_parallel(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from torchtitan.components.chunked_loss import chunked_loss
+    from torchtitan.components.loss import cross_entropy_sum
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    full, labels = _batch()
+    logits = distribute_tensor(full, mesh, [Shard(2)]).requires_grad_()
+    with loss_parallel():
+        loss = chunked_loss(cross_entropy_sum, 5)(logits, labels)
+        loss.backward()
+    return loss.full_tensor(), logits.grad.placements == (Shard(2),), logits.grad.full_tensor()
+
+
+def test_chunked_loss_under_loss_parallel_equals_one_process():
+    from torchtitan.components.loss import cross_entropy_sum
+
+    full, labels = _batch()
+    logits = full.clone().requires_grad_()
+    loss = cross_entropy_sum(logits, labels)
+    loss.backward()
+    for got_loss, sharded, got_grad in run_ranks(_chunked_under_loss_parallel, 2):
+        assert sharded
+        torch.testing.assert_close(got_loss, loss.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got_grad, logits.grad, rtol=1e-6, atol=1e-6)
