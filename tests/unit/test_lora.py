@@ -147,3 +147,34 @@ def test_shipped_sft_set_is_rebuilt_by_its_script_and_holds_out_unseen_answers(t
     assert len(held_out) == 30 and len(train) == 2970
     trained_answers = {r["completion"] for r in train}
     assert not any(r["completion"] in trained_answers for r in held_out)
+
+
+def test_peft_export_follows_llamas_rotary_row_order(tmp_path):
+    """Llama's HF layout permutes q/k rows (rotate-half vs interleaved RoPE): B's rows must follow."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from torchtitan.components.lora import add_adapter, lora_modules
+    from torchtitan.components.lora_export import save_merged, save_peft
+    from torchtitan.models.llama3.args import TransformerModelArgs
+    from torchtitan.models.llama3.model import Transformer
+    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+    args = TransformerModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_hidden_dim=160,
+                                max_seq_len=64)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights(buffer_device=None)
+    Llama3StateDictAdapter.save_hf(model.state_dict(), args, str(tmp_path / "base"), torch.float32)
+    for name, m in [(n, m) for n, m in model.named_modules() if n.startswith("layers.") and isinstance(m, torch.nn.Linear)]:
+        add_adapter(m, name, rank=4, alpha=8.0, dropout=0.0)
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_a.normal_(0, 0.3), m.lora_b.normal_(0, 0.3)
+        tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
+        adapted = model.eval()(tokens)
+        save_peft(model, Llama3StateDictAdapter, args, str(tmp_path / "peft"), str(tmp_path / "base"))
+        save_merged(model, Llama3StateDictAdapter, args, str(tmp_path / "merged"))
+        base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+        _logits_close(peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()(tokens).logits, adapted)
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        _logits_close(merged(tokens).logits, adapted)
