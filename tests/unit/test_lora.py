@@ -164,7 +164,7 @@ def test_peft_export_follows_llamas_rotary_row_order(tmp_path):
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights(buffer_device=None)
-    Llama3StateDictAdapter.save_hf(model.state_dict(), args, str(tmp_path / "base"), torch.float32)
+    save_hf_folder(model.state_dict(), Llama3StateDictAdapter, args, str(tmp_path / "base"), dtype=torch.float32)
     for name, m in [(n, m) for n, m in model.named_modules() if n.startswith("layers.") and isinstance(m, torch.nn.Linear)]:
         add_adapter(m, name, rank=4, alpha=8.0, dropout=0.0)
     with torch.no_grad():
