@@ -141,7 +141,9 @@ class Trainer:
         self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.metrics, self.rank, dataclasses.asdict(cfg))
         self.guard = StepGuard(cfg.guard) if cfg.guard.enable else None
         self._guard_event = None
-        self._skip_data_at: set[int] = set()  # steps whose data window a rollback left out
+        # step -> data windows left out when the run reaches it (each rollback from that step adds one; kept, since
+        # a later rollback to a checkpoint before it reloads the data position from before those windows)
+        self._skip_windows: dict[int, int] = {}
         self.replica_check = (
             ReplicaCheck(cfg.guard.replica_check_interval, cfg.guard.replica_check_action, pd, self.device)
             if cfg.guard.replica_check_interval > 0 and pd.dp_replicate > 1 else None
@@ -201,10 +203,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------------
     def _next_microbatches(self, data_iter: Iterator) -> list[tuple]:
         step = self.train_state.step + 1
-        if step in self._skip_data_at or fault_injection.skips_data(step):
-            self._skip_data_at.discard(step)
-            for _ in range(self.grad_accum):  # the window of the step a rollback undid is left out
-                next(data_iter)
+        skip = self._skip_windows.get(step, 0) + fault_injection.skips_data(step)
+        for _ in range(skip * self.grad_accum):  # the windows of the step a rollback undid are left out
+            next(data_iter)
         return [_to_device(next(data_iter), self.device) for _ in range(self.grad_accum)]
 
     def _reduce_over(self, x: torch.Tensor, dim: str) -> torch.Tensor:
@@ -453,7 +454,7 @@ class Trainer:
         if not ckpt.has_checkpoint(self.cfg) or not self.checkpointer.load():
             raise TrainingError(f"the guard cannot roll back from step {step}: no complete checkpoint yet; lower "
                                 f"--checkpoint.interval or use --guard.action skip")
-        self._skip_data_at.add(step)
+        self._skip_windows[step] = self._skip_windows.get(step, 0) + 1
         logger.warning(f"Guard: rolled back to step {self.train_state.step}; the data window of step {step} is "
                        f"skipped when the run reaches it again")
         return iter(self.dataloader)

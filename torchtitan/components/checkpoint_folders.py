@@ -308,7 +308,8 @@ class Reclaimer:
                 logger.warning(f"Checkpoint retention: could not remove {folder}: {e}")
                 continue
             fault_injection.removal_point(step)
-            logger.info(f"Checkpoint retention ({self.retention}): removing {folder}")
+            logger.info(f"Checkpoint retention (keep_latest_k={self.retention.keep_latest}, keep_every_n_steps="
+                        f"{self.retention.every}, keep_steps={sorted(self.retention.steps)}): removing {folder}")
         for name in leftovers(self.root, RECLAIMING):
             shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
         store["removing"] = []
