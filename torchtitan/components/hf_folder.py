@@ -95,26 +95,29 @@ def _check_complete(path: str) -> None:
 
 
 class SliceReader:
-    """Reads boxes of HF tensors from a folder's safetensors files, opening each file once."""
+    """Reads boxes of HF tensors from a folder's safetensors files. Each read opens its file and closes it
+    again: safetensors maps the file, and pages a read touched stay in the process's RSS until the file is
+    closed, so a long-open file would hold every slice read from it."""
 
     def __init__(self, folder: str):
         self.folder, self.where = folder, weight_files(folder)
-        self._open: dict[str, object] = {}
+        self._shapes: dict[str, list[int]] = {}
 
     def shape(self, key: str) -> list[int]:
-        return self._slice(key).get_shape()
+        if key not in self._shapes:
+            with self._open(key) as f:
+                self._shapes[key] = list(f.get_slice(key).get_shape())
+        return self._shapes[key]
 
     def read(self, key: str, offsets: Iterable[int], sizes: Iterable[int]) -> torch.Tensor:
         index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
-        return self._slice(key)[index]
+        with self._open(key) as f:
+            return f.get_slice(key)[index].clone()  # a copy: the slice is a view of the mapped file
 
-    def _slice(self, key: str):
+    def _open(self, key: str):
         if key not in self.where:
             raise HFFolderError(f"{self.folder} lacks the weight {key}: a checkpoint of another model?")
-        name = self.where[key]
-        if name not in self._open:
-            self._open[name] = safe_open(os.path.join(self.folder, name), framework="pt")
-        return self._open[name].get_slice(key)
+        return safe_open(os.path.join(self.folder, self.where[key]), framework="pt")
 
 
 def local_box(t: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int], bool]:
