@@ -29,7 +29,6 @@ from torch.distributed.checkpoint._consolidate_hf_safetensors import _consolidat
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from torchtitan.protocols.hf_config import read_config_file
 from torchtitan.protocols.state_dict_adapter import HFLayout, StateDictAdapter
 
 INDEX = "model.safetensors.index.json"
@@ -185,17 +184,11 @@ def load_hf_folder(folder: str, adapter_cls: type[StateDictAdapter], expected=No
 
 
 def read_hf_state_dict(folder: str, adapter_cls: type[StateDictAdapter], args) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF folder under our names (one process; for conversion to DCP)."""
-    adapter = adapter_cls(args)
+    """Every tensor of an HF folder under our names (one process; for conversion to DCP). A tied model's
+    folder stores no lm_head.weight: the adapter's from_hf fills our output from the embedding."""
     reader = SliceReader(folder)
-    config = read_config_file(folder)
-    keys = dict(reader.where)
-    if config.get("tie_word_embeddings") and "lm_head.weight" not in keys:
-        keys.pop("lm_head.weight", None)
-    full = {k: reader.read(k, [0] * len(reader.shape(k)), reader.shape(k)) for k in keys}
-    if config.get("tie_word_embeddings") and "lm_head.weight" not in full and "model.embed_tokens.weight" in full:
-        full["lm_head.weight"] = full["model.embed_tokens.weight"]
-    return adapter.from_hf(full)
+    full = {k: reader.read(k, [0] * len(reader.shape(k)), reader.shape(k)) for k in reader.where}
+    return adapter_cls(args).from_hf(full)
 
 
 # ---- writing -----------------------------------------------------------------------------------------------
