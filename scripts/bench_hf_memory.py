@@ -1,18 +1,17 @@
 """Peak host memory (RSS high-water mark, measured) of Hugging Face folder I/O per rank, on CPU with gloo.
 
-    python scripts/bench_hf_memory.py [--dim 1024 --layers 12 --vocab 32000] [--folder /tmp/hf-mem-bench]
+    python scripts/bench_hf_memory.py [--dim 1024 --layers 17] [--folder /tmp/hf-mem-bench]
 
-A Llama of ~220M parameters is written once as a bf16 HF folder (2 safetensors shards + index). Then, per
+A Llama of 205M parameters is written once as a bf16 HF folder (2 safetensors shards + index). Then, per
 phase, in fresh processes:
   load N   N FSDP ranks (N = 1, 2, 4) each build their fp32 shard of the model and fill it from the folder
            (components/hf_folder.load_hf_into: each rank reads only its slices);
   save 4   4 FSDP ranks write the sharded model as an HF folder (save_hf_folder: parts + DCP consolidation);
   convert  scripts/convert_to_hf.py's streaming conversion of a DCP checkpoint of the model, one process.
-Each row gives the rank's RSS before the phase (imports + its model shard), its peak during the phase
-(/proc VmHWM, reset by clear_refs before the phase), and the peak's excess over the bound
-  load/save: before + 1/N of the model's bytes as stored in the folder + the largest tensor (fp32);
-  convert:   before + PART_BYTES (the write buffer) + 3 x the largest tensor.
-(File pages a rank reads through safetensors' mmap count in its RSS; the bound includes them.)
+Each row gives the rank's RSS before the phase without the model ("base": imports, process group), what
+its fp32 model shard adds, its peak during the phase (/proc VmHWM, reset by clear_refs), and the bound
+  load/save: base + 1/N of the fp32 model + the largest tensor + C;   convert: base + 3 x largest + C,
+with C = the 64 MB write buffer (hf_folder.PART_BYTES) + 64 MB. Loading keeps no file mapped between reads.
 """
 
 import argparse
@@ -27,6 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from tests.multiprocess import run_ranks  # noqa: E402
+from torchtitan.components.hf_folder import PART_BYTES  # noqa: E402
+
+CONSTANT_MB = PART_BYTES // 2**20 + 64  # the write buffer + 64 MB of allocator and Python slack
 
 
 def rss_mb() -> float:
@@ -77,13 +79,14 @@ def _load(rank, world_size, args, folder):
     from torchtitan.components.hf_folder import load_hf_into
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
+    base = rss_mb()
     model = _sharded_model(args, world_size)
     state = get_model_state_dict(model)
     before = rss_mb()
     reset_peak()
     t0 = time.perf_counter()
     load_hf_into(state, folder, Llama3StateDictAdapter(args))
-    return before, peak_mb(), time.perf_counter() - t0
+    return base, before, peak_mb(), time.perf_counter() - t0
 
 
 def _save(rank, world_size, args, folder, out):
@@ -93,6 +96,7 @@ def _save(rank, world_size, args, folder, out):
     from torchtitan.components.hf_folder import load_hf_into, save_hf_folder
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
+    base = rss_mb()
     model = _sharded_model(args, world_size)
     load_hf_into(get_model_state_dict(model), folder, Llama3StateDictAdapter(args))
     dist.barrier()
@@ -101,7 +105,7 @@ def _save(rank, world_size, args, folder, out):
     t0 = time.perf_counter()
     save_hf_folder(get_model_state_dict(model), Llama3StateDictAdapter, args, out, dtype=torch.bfloat16,
                    max_shard_bytes=300 * 10**6)
-    return before, peak_mb(), time.perf_counter() - t0
+    return base, before, peak_mb(), time.perf_counter() - t0
 
 
 CONVERT = """
@@ -111,7 +115,7 @@ from bench_hf_memory import rss_mb, reset_peak, peak_mb
 import convert_to_hf, torch
 before = rss_mb(); reset_peak(); t0 = time.perf_counter()
 convert_to_hf.convert({dcp!r}, {out!r}, torch.bfloat16, 300 * 10**6, {overrides!r})
-print(before, peak_mb(), time.perf_counter() - t0)
+print(before, before, peak_mb(), time.perf_counter() - t0)
 """
 
 
@@ -123,7 +127,7 @@ def main() -> None:
     p.add_argument("--folder", default="/tmp/hf-mem-bench")
     a = p.parse_args()
     from torchtitan.components.checkpoint import write_model_checkpoint
-    from torchtitan.components.hf_folder import PART_BYTES, save_hf_folder
+    from torchtitan.components.hf_folder import save_hf_folder
     from torchtitan.protocols.model_shape import flatten_args
     from torchtitan.models.llama3.model import Transformer
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
@@ -143,28 +147,30 @@ def main() -> None:
     print(f"Llama {n_params / 1e6:.0f}M parameters: {file_mb:.0f} MB in bf16 ({sum(f.endswith('.safetensors') for f in os.listdir(hf))} safetensors "
           f"files), fp32 model {n_params * 4 / 2**20:.0f} MB, largest tensor {largest / 2**20:.0f} MB (fp32)")
     print(f"CPU: {cpu_name()}, torch {torch.__version__}\n")
-    print("| phase | ranks | RSS before (MB) | peak (MB) | peak - before (MB) | bound (MB) | within | time (s) |")
-    print("|---|---|---|---|---|---|---|---|")
+    model_mb, largest_mb = n_params * 4 / 2**20, largest / 2**20
+    print(f"bound of peak - base: load/save model_fp32/N + largest + C, convert 3 x largest + C; C = {CONSTANT_MB} MB\n")
+    print("| phase | rank | base (MB) | + shard (MB) | peak (MB) | peak - base (MB) | bound (MB) | within | time (s) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for n in (1, 2, 4):
         rows = run_ranks(_load, n, args, hf)
-        _report("load", n, rows, file_mb / n + largest / 2**20)
+        _report("load", n, rows, model_mb / n + largest_mb + CONSTANT_MB)
     out = os.path.join(a.folder, "hf_out")
     rows = run_ranks(_save, 4, args, hf, out)
-    _report("save", 4, rows, file_mb / 4 + largest / 2**20)
+    _report("save", 4, rows, model_mb / 4 + largest_mb + CONSTANT_MB)
     overrides = ["--model.overrides", ",".join(flatten_args(args))]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = CONVERT.format(root=root, dcp=os.path.join(a.folder, "dcp"), out=os.path.join(a.folder, "converted"),
                           overrides=overrides)
     line = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
-    _report("convert", 1, [tuple(map(float, line[-3:]))], PART_BYTES / 2**20 + 3 * largest / 2**20)
+    _report("convert", 1, [tuple(map(float, line[-4:]))], 3 * largest_mb + CONSTANT_MB)
     shutil.rmtree(a.folder, ignore_errors=True)
 
 
-def _report(phase, n, rows, bound_extra):
-    for rank, (before, peak, seconds) in enumerate(rows):
-        extra = peak - before
-        print(f"| {phase} | {rank + 1}/{n} | {before:.0f} | {peak:.0f} | {extra:.0f} | {bound_extra:.0f} | "
-              f"{'yes' if extra <= bound_extra else 'NO'} | {seconds:.1f} |")
+def _report(phase, n, rows, bound):
+    for rank, (base, before, peak, seconds) in enumerate(rows):
+        extra = peak - base
+        print(f"| {phase} | {rank + 1}/{n} | {base:.0f} | {before - base:.0f} | {peak:.0f} | {extra:.0f} | {bound:.0f} | "
+              f"{'yes' if extra <= bound else 'NO'} | {seconds:.1f} |")
 
 
 def cpu_name() -> str:

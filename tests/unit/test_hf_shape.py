@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import convert_from_hf  # noqa: E402
 import convert_to_hf  # noqa: E402
+import generate  # noqa: E402
 
 ROPE = {"rope_theta": 10000.0, "rope_type": "default"}
 CONFIGS = {  # transformers config class, kwargs, our model name
@@ -142,7 +143,10 @@ def test_bad_folders_get_one_line_and_nothing_written(tmp_path, capsys):
                                            str(folder), "--checkpoint.initial_load_in_hf"])
         with pytest.raises(ValueError, match="is truncated|which is missing"):
             plan_job(cfg, 1)
-    # the good folder converts, and its DCP checkpoint records the shape
+    # the good folder generates and converts (its shape from config.json, no options), and the DCP
+    # checkpoint it converts to records the shape
+    assert generate.main([str(llama), "--prompt", "import os", "--max_new_tokens", "2"]) == 0
+    assert capsys.readouterr().out.startswith("import os")
     assert convert_from_hf.main([str(llama), str(tmp_path / "dcp")]) == 0
     (tmp_path / "nonempty").mkdir()
     (tmp_path / "nonempty" / "keep.txt").write_text("x")

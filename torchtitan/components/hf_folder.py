@@ -29,7 +29,6 @@ from torch.distributed.checkpoint._consolidate_hf_safetensors import _consolidat
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from torchtitan.protocols.hf_config import read_config_file
 from torchtitan.protocols.state_dict_adapter import HFLayout, StateDictAdapter
 
 INDEX = "model.safetensors.index.json"
@@ -95,26 +94,29 @@ def _check_complete(path: str) -> None:
 
 
 class SliceReader:
-    """Reads boxes of HF tensors from a folder's safetensors files, opening each file once."""
+    """Reads boxes of HF tensors from a folder's safetensors files. Each read opens its file and closes it
+    again: safetensors maps the file, and pages a read touched stay in the process's RSS until the file is
+    closed, so a long-open file would hold every slice read from it."""
 
     def __init__(self, folder: str):
         self.folder, self.where = folder, weight_files(folder)
-        self._open: dict[str, object] = {}
+        self._shapes: dict[str, list[int]] = {}
 
     def shape(self, key: str) -> list[int]:
-        return self._slice(key).get_shape()
+        if key not in self._shapes:
+            with self._open(key) as f:
+                self._shapes[key] = list(f.get_slice(key).get_shape())
+        return self._shapes[key]
 
     def read(self, key: str, offsets: Iterable[int], sizes: Iterable[int]) -> torch.Tensor:
         index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
-        return self._slice(key)[index]
+        with self._open(key) as f:
+            return f.get_slice(key)[index].clone()  # a copy: the slice is a view of the mapped file
 
-    def _slice(self, key: str):
+    def _open(self, key: str):
         if key not in self.where:
             raise HFFolderError(f"{self.folder} lacks the weight {key}: a checkpoint of another model?")
-        name = self.where[key]
-        if name not in self._open:
-            self._open[name] = safe_open(os.path.join(self.folder, name), framework="pt")
-        return self._open[name].get_slice(key)
+        return safe_open(os.path.join(self.folder, self.where[key]), framework="pt")
 
 
 def local_box(t: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int], bool]:
@@ -182,17 +184,11 @@ def load_hf_folder(folder: str, adapter_cls: type[StateDictAdapter], expected=No
 
 
 def read_hf_state_dict(folder: str, adapter_cls: type[StateDictAdapter], args) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF folder under our names (one process; for conversion to DCP)."""
-    adapter = adapter_cls(args)
+    """Every tensor of an HF folder under our names (one process; for conversion to DCP). A tied model's
+    folder stores no lm_head.weight: the adapter's from_hf fills our output from the embedding."""
     reader = SliceReader(folder)
-    config = read_config_file(folder)
-    keys = dict(reader.where)
-    if config.get("tie_word_embeddings") and "lm_head.weight" not in keys:
-        keys.pop("lm_head.weight", None)
-    full = {k: reader.read(k, [0] * len(reader.shape(k)), reader.shape(k)) for k in keys}
-    if config.get("tie_word_embeddings") and "lm_head.weight" not in full and "model.embed_tokens.weight" in full:
-        full["lm_head.weight"] = full["model.embed_tokens.weight"]
-    return adapter.from_hf(full)
+    full = {k: reader.read(k, [0] * len(reader.shape(k)), reader.shape(k)) for k in reader.where}
+    return adapter_cls(args).from_hf(full)
 
 
 # ---- writing -----------------------------------------------------------------------------------------------

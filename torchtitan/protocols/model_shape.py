@@ -11,10 +11,12 @@ hf_config), so the config.toml a checkpoint carries rebuilds the model without t
 
 import dataclasses
 import difflib
+import types
 import typing
 from typing import Any
 
 from torchtitan.config import ConfigError, JobConfig
+from torchtitan.protocols.hf_config import read_config_file
 from torchtitan.protocols.train_spec import TrainSpec, _registered, get_flavor, get_train_spec
 
 
@@ -35,8 +37,6 @@ def model_args_for(spec: TrainSpec, flavor: str, hf_config: str | None = None, o
 
 
 def _args_from_hf(spec: TrainSpec, path: str) -> Any:
-    from torchtitan.protocols.hf_config import read_config_file
-
     model_type = read_config_file(path).get("model_type")
     if model_type not in spec.state_dict_adapter.HF_MODEL_TYPES:
         readers = [s.name for s in _registered().values()
@@ -87,7 +87,7 @@ def _set(obj: Any, path: list[str], text: str, item: str) -> Any:
 
 
 def _parse(hint: Any, text: str, item: str) -> Any:
-    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, __import__("types").UnionType) else (hint,)
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
     if text.lower() in ("none", "null") and type(None) in options:
         return None
     for t in options:
