@@ -6,8 +6,8 @@ Proved three ways:
 - the trainer, fp32, same seed and batches (tests/distributed/trainer_runs.py): FSDP 2, FSDP 4 and TP 2 x
   FSDP 2 log the same per-step loss and grad norm as one process, within the 2D parity tests'
   tolerances (loss 1e-5, grad norm 5e-5, relative; test_parity_2d.py explains them); so does the MoE debug
-  model (deepseek_v3: attention and router gates are Muon matrices beside the AdamW experts) under EP 2 on
-  4 ranks (the dense matrices under FSDP 4),
+  model (deepseek_v3: attention and router gates are Muon matrices beside the AdamW experts) under EP 2
+  (2 ranks; the dense matrices under FSDP 2),
   within the same tolerances. At FSDP 4 the probe counts each rank's Newton-Schulz FLOPs: every matrix is
   orthogonalised exactly once over the four ranks (the FLOPs sum to one process's), and each rank's share is
   at most total/4 + the largest matrix's (assign_owners' bound).
@@ -15,6 +15,8 @@ Proved three ways:
   TP Shard(0)/Shard(1), both, FSDP-over-TP's strided shard, replicated), uneven shards too, all in one call
   (one schedule of gathers and scatters): bit-identical to one process.
 Negative control: orthogonalising only the local shard (the tempting shortcut) fails the parity.
+The same 4-rank group also runs the chunked cross entropy under TP's loss parallel
+(tests/distributed/chunked_loss_parallel.py), to spare a spawn.
 """
 
 import pytest
@@ -69,7 +71,7 @@ def test_muon_under_expert_parallel_matches_single_process(tmp_path):
 
     moe_muon = MOE + MUON + ["--training.steps", "3"]
     single, _ = train(1, moe_muon + ["--training.local_batch_size", "4"], str(tmp_path / "single"))
-    world, argv = MOE_LAYOUTS["ep2_fsdp2"]
+    world, argv = MOE_LAYOUTS["ep2"]
     ep, _ = train(world, moe_muon + argv, str(tmp_path / "ep"))
     assert len(ep) == 3
     assert_parity(curves(ep), curves(single))
@@ -120,8 +122,27 @@ def _orthogonalise_on_mesh(rank, world_size):
             for (shape, placements, local), o, u in zip(expected, got, updates)]
 
 
-def test_orthogonalise_every_placement_equals_one_process():
-    for rank_results in run_ranks(_orthogonalise_on_mesh, 4):
+def _on_mesh(rank, world_size):
+    """One 4-rank group for both mesh checks of this file and the chunked loss's (a spawn costs seconds)."""
+    from tests.distributed.chunked_loss_parallel import chunked_under_loss_parallel
+
+    return _orthogonalise_on_mesh(rank, world_size), chunked_under_loss_parallel()
+
+
+@pytest.fixture(scope="module")
+def on_mesh():
+    return run_ranks(_on_mesh, 4)
+
+
+def test_orthogonalise_every_placement_equals_one_process(on_mesh):
+    for rank_results, _ in on_mesh:
         assert len(rank_results) == 13
         for shape, placements, same_placements, equal in rank_results:
             assert same_placements and equal, (shape, placements)
+
+
+def test_chunked_loss_under_loss_parallel_equals_one_process(on_mesh):
+    from tests.distributed.chunked_loss_parallel import check_against_one_process
+
+    for _, chunked in on_mesh:
+        check_against_one_process(*chunked)

@@ -2,7 +2,7 @@
 output projection of its hidden states and weight (fp32, 1e-6), with masked (SFT) labels and a last chunk
 shorter than the others; the per-source sums too; a trainer run with chunking logs the plain run's losses;
 bad chunk sizes are one line before any rank starts. (TP's loss parallel: tests/distributed/
-test_chunked_loss_parallel.py.)"""
+test_muon_parity.py (with chunked_loss_parallel.py).)"""
 
 import pytest
 import torch
