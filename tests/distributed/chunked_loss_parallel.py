@@ -20,7 +20,7 @@ def chunked_under_loss_parallel():
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from torchtitan.components.chunked_loss import chunked_loss
+    from torchtitan.components.loss import chunked_loss
     from torchtitan.components.loss import cross_entropy_sum
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]

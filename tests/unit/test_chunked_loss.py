@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from tests.unit.checkpoint_helpers import losses, run
 from tests.unit.checkpoint_helpers import TINY
 from torchtitan import preflight
-from torchtitan.components.chunked_loss import chunked_loss
+from torchtitan.components.loss import chunked_loss
 from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_sum, per_source_loss_sums
 
 
