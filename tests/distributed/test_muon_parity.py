@@ -3,18 +3,20 @@
 Newton-Schulz needs each whole matrix; torchtitan gathers each sharded update to one owner rank of its
 mesh, which orthogonalises it and scatters the result back (torchtitan/components/muon_distributed.py).
 Proved three ways:
-- the trainer, fp32, same seed and batches (tests/distributed/trainer_runs.py): FSDP 2, FSDP 4 and TP 2 x
-  FSDP 2 log the same per-step loss and grad norm as one process, within the 2D parity tests'
-  tolerances (loss 1e-5, grad norm 5e-5, relative; test_parity_2d.py explains them); so does the MoE debug
-  model (deepseek_v3: attention and router gates are Muon matrices beside the AdamW experts) under EP 2 on
-  4 ranks (the dense matrices under FSDP 4),
-  within the same tolerances. At FSDP 4 the probe counts each rank's Newton-Schulz FLOPs: every matrix is
-  orthogonalised exactly once over the four ranks (the FLOPs sum to one process's), and each rank's share is
-  at most total/4 + the largest matrix's (assign_owners' bound).
+- the trainer, fp32, same seed and batches (tests/distributed/trainer_runs.py): FSDP 2 and TP 2 x FSDP 2
+  log the same per-step loss and grad norm as one process, within the 2D parity tests' tolerances (loss
+  1e-5, grad norm 5e-5, relative; test_parity_2d.py explains them); so does the MoE debug model
+  (deepseek_v3: attention, router gates and dense FFNs are Muon matrices beside the AdamW experts) under
+  EP 2 on 4 ranks, its Muon matrices under FSDP 4, within the same tolerances. There the probe counts each
+  rank's Newton-Schulz FLOPs: every matrix is orthogonalised exactly once over the four ranks (the FLOPs
+  sum to one process's), and each rank's share is at most total/4 + the largest matrix's (assign_owners'
+  bound).
 - the orthogonalisation alone on a 2 x 2 mesh, for every placement the appliers produce (FSDP Shard(0),
   TP Shard(0)/Shard(1), both, FSDP-over-TP's strided shard, replicated), uneven shards too, all in one call
   (one schedule of gathers and scatters): bit-identical to one process.
 Negative control: orthogonalising only the local shard (the tempting shortcut) fails the parity.
+The same 4-rank group also runs the chunked cross entropy under TP's loss parallel
+(tests/distributed/chunked_loss_parallel.py), to spare a spawn.
 """
 
 import pytest
@@ -48,31 +50,36 @@ def _ns_work(trainer):
     return optimizer.orthogonaliser.flops_done, sum(per_matrix), max(per_matrix)
 
 
-# TP 2 alone is covered by TP 2 x FSDP 2 and by the placement test below.
-@pytest.mark.parametrize("layout", ["fsdp2", "fsdp4", "tp2_fsdp2"])
+def _assert_once_per_matrix_and_balanced(work, n_steps: int, n_ranks: int) -> None:
+    done = [w[0] for w in work]
+    _, per_step, largest = work[0]
+    assert sum(done) == per_step * n_steps, "each matrix orthogonalised exactly once per step"
+    assert max(done) <= (per_step / n_ranks + largest) * n_steps, (done, per_step, largest)
+    assert min(done) > 0  # every rank took a share
+
+
+# TP 2 alone is covered by TP 2 x FSDP 2 and by the placement test below; FSDP 4 by the EP test (its dense
+# matrices are sharded over all four ranks).
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2_fsdp2"])
 def test_muon_layout_matches_single_process(layout, reference, tmp_path):
     world, argv = LAYOUTS[layout]
-    steps, work = train(world, MUON + argv, str(tmp_path), probe=_ns_work)
+    steps, _ = train(world, MUON + argv, str(tmp_path))
     assert_parity(curves(steps), reference)
-    if layout == "fsdp4":
-        done = [w[0] for w in work]
-        _, per_step, largest = work[0]
-        n_steps = len(steps)
-        assert sum(done) == per_step * n_steps, "each matrix orthogonalised exactly once per step"
-        assert max(done) <= (per_step / 4 + largest) * n_steps, (done, per_step, largest)
-        assert min(done) > 0  # every rank took a share
 
 
-def test_muon_under_expert_parallel_matches_single_process(tmp_path):
+def test_muon_under_expert_parallel_and_fsdp4_matches_single_process(tmp_path):
+    """EP 2 on 4 ranks: the experts (AdamW) are split over ep 2 x fsdp 2, the Muon matrices (attention,
+    router gates, dense and shared-expert FFNs) over FSDP 4, where the probe counts the Newton-Schulz work."""
     from tests.distributed.test_moe_parity import LAYOUTS as MOE_LAYOUTS
     from tests.distributed.test_moe_parity import MOE
 
     moe_muon = MOE + MUON + ["--training.steps", "3"]
     single, _ = train(1, moe_muon + ["--training.local_batch_size", "4"], str(tmp_path / "single"))
     world, argv = MOE_LAYOUTS["ep2_fsdp2"]
-    ep, _ = train(world, moe_muon + argv, str(tmp_path / "ep"))
-    assert len(ep) == 3
+    ep, work = train(world, moe_muon + argv, str(tmp_path / "ep"), probe=_ns_work)
+    assert len(ep) == 3 and world == 4
     assert_parity(curves(ep), curves(single))
+    _assert_once_per_matrix_and_balanced(work, 3, 4)
 
 
 def _orthogonalise_local_shard_only(rank, world_size):
@@ -120,8 +127,27 @@ def _orthogonalise_on_mesh(rank, world_size):
             for (shape, placements, local), o, u in zip(expected, got, updates)]
 
 
-def test_orthogonalise_every_placement_equals_one_process():
-    for rank_results in run_ranks(_orthogonalise_on_mesh, 4):
+def _on_mesh(rank, world_size):
+    """One 4-rank group for both mesh checks of this file and the chunked loss's (a spawn costs seconds)."""
+    from tests.distributed.chunked_loss_parallel import chunked_under_loss_parallel
+
+    return _orthogonalise_on_mesh(rank, world_size), chunked_under_loss_parallel()
+
+
+@pytest.fixture(scope="module")
+def on_mesh():
+    return run_ranks(_on_mesh, 4)
+
+
+def test_orthogonalise_every_placement_equals_one_process(on_mesh):
+    for rank_results, _ in on_mesh:
         assert len(rank_results) == 13
         for shape, placements, same_placements, equal in rank_results:
             assert same_placements and equal, (shape, placements)
+
+
+def test_chunked_loss_under_loss_parallel_equals_one_process(on_mesh):
+    from tests.distributed.chunked_loss_parallel import check_against_one_process
+
+    for _, chunked in on_mesh:
+        check_against_one_process(*chunked)

@@ -2,7 +2,7 @@
 output projection of its hidden states and weight (fp32, 1e-6), with masked (SFT) labels and a last chunk
 shorter than the others; the per-source sums too; a trainer run with chunking logs the plain run's losses;
 bad chunk sizes are one line before any rank starts. (TP's loss parallel: tests/distributed/
-test_chunked_loss_parallel.py.)"""
+test_muon_parity.py (with chunked_loss_parallel.py).)"""
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from tests.unit.checkpoint_helpers import losses, run
 from tests.unit.checkpoint_helpers import TINY
 from torchtitan import preflight
-from torchtitan.components.chunked_loss import chunked_loss
+from torchtitan.components.loss import chunked_loss
 from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_sum, per_source_loss_sums
 
 

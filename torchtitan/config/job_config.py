@@ -137,7 +137,7 @@ class Training:
     """Seconds before the first retry of a failing source; doubled for each further one."""
 
     loss_chunk_size: int = -1
-    """Cross entropy over chunks of this many sequence positions (components/chunked_loss.py): no float32
+    """Cross entropy over chunks of this many sequence positions (components/loss.py): no float32
     copy of the whole [tokens x vocabulary] logits, nor of their gradient, exists at once. -1 = one chunk
     (the plain loss). At most training.seq_len. See docs/performance.md for when it pays."""
 

@@ -1,13 +1,9 @@
-"""The chunked cross entropy under TP's loss parallel (vocabulary-sharded DTensor logits, 2 gloo ranks) equals
-the plain loss in one process: the loss and the logits' gradient (fp32, 1e-6), the gradient still sharded
-over the vocabulary. (One process, the plain tensors: tests/unit/test_chunked_loss.py.)"""
+"""The chunked cross entropy under TP's loss parallel (vocabulary-sharded DTensor logits on the "tp" mesh
+dimension of a 2 x 2 mesh) equals the plain loss in one process: the loss and the logits' gradient (fp32,
+1e-6), the gradient still sharded over the vocabulary. Run inside test_muon_parity.py's 4-rank group (one
+spawn for both); one process, plain tensors: tests/unit/test_chunked_loss.py."""
 
-import pytest
 import torch
-
-from tests.multiprocess import run_ranks
-
-pytestmark = pytest.mark.distributed
 
 
 def _batch():
@@ -18,15 +14,16 @@ def _batch():
     return logits, labels
 
 
-def _chunked_under_loss_parallel(rank, world_size):
+def chunked_under_loss_parallel():
+    """On a rank of an initialised 4-rank group: (loss, gradient still vocabulary-sharded, full gradient)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from torchtitan.components.chunked_loss import chunked_loss
+    from torchtitan.components.loss import chunked_loss
     from torchtitan.components.loss import cross_entropy_sum
 
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
     full, labels = _batch()
     logits = distribute_tensor(full, mesh, [Shard(2)]).requires_grad_()
     with loss_parallel():
@@ -35,14 +32,13 @@ def _chunked_under_loss_parallel(rank, world_size):
     return loss.full_tensor(), logits.grad.placements == (Shard(2),), logits.grad.full_tensor()
 
 
-def test_chunked_loss_under_loss_parallel_equals_one_process():
+def check_against_one_process(got_loss, sharded, got_grad) -> None:
     from torchtitan.components.loss import cross_entropy_sum
 
     full, labels = _batch()
     logits = full.clone().requires_grad_()
     loss = cross_entropy_sum(logits, labels)
     loss.backward()
-    for got_loss, sharded, got_grad in run_ranks(_chunked_under_loss_parallel, 2):
-        assert sharded
-        torch.testing.assert_close(got_loss, loss.detach(), rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(got_grad, logits.grad, rtol=1e-6, atol=1e-6)
+    assert sharded
+    torch.testing.assert_close(got_loss, loss.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_grad, logits.grad, rtol=1e-6, atol=1e-6)
