@@ -63,6 +63,8 @@ _RULES = {
     "checkpoint.interval": _at_least(1),
     "checkpoint.keep_latest_k": ((lambda v: v >= 0), "0 (keep all) or more"),
     "checkpoint.load_step": _minus_one_or_at_least(0, "the latest checkpoint"),
+    "checkpoint.hf_interval": ((lambda v: v >= 0), "0 (only as last_save says) or more"),  # < 0 was taken as 0
+    "checkpoint.hf_max_shard_mb": _at_least(1),
     "metrics.log_freq": _at_least(1),
     "profiling.profile_freq": _at_least(1),
     "activation_checkpoint.memory_budget": _fraction(),
@@ -82,6 +84,9 @@ def check_job_values(cfg: JobConfig) -> None:
     check_schedule(cfg.lr_scheduler, cfg.training.steps)
     check_guard_config(cfg.guard, cfg.checkpoint.enable)
     _check_retention(cfg)
+    if cfg.checkpoint.hf_interval and not cfg.checkpoint.enable:  # the checkpointer writes hf-step-N; off, nothing was
+        raise ValueError(f"--checkpoint.hf_interval {cfg.checkpoint.hf_interval} writes hf-step-N folders from the "
+                         f"checkpointer: add --checkpoint.enable (or drop hf_interval)")
     if cfg.training.loss_chunk_size > cfg.training.seq_len:
         raise ValueError(f"--training.loss_chunk_size {cfg.training.loss_chunk_size} is longer than the sequence "
                          f"(--training.seq_len {cfg.training.seq_len}); use at most {cfg.training.seq_len}, or -1")
