@@ -68,8 +68,13 @@ def test_hf_interval_writes_hub_ready_folders_that_transformers_loads(tmp_path):
     (["--checkpoint.hf_interval", "2"], "--checkpoint.hf_interval 2 writes hf-step-N folders from the checkpointer: "
                                         "add --checkpoint.enable"),
     (["--checkpoint.enable", "--checkpoint.hf_max_shard_mb", "0"], "--checkpoint.hf_max_shard_mb must be at least 1"),
+    # a LoRA run's model is base + adapters, which no HF architecture holds (was a KeyError at the first save)
+    (["--checkpoint.enable", "--checkpoint.hf_interval", "2", "--model.converters", "lora"],
+     "--checkpoint.hf_interval 2 writes the model as trained, and --model.converters lora trains adapters"),
+    (["--checkpoint.enable", "--checkpoint.last_save", "hf_only", "--model.converters", "lora"],
+     "keep --checkpoint.last_save full and write the folder from a step checkpoint with scripts/convert_to_hf.py"),
 ])
-def test_bad_hf_interval_is_refused_before_ranks_start(args, message, tmp_path, capsys):
+def test_bad_hf_saves_are_refused_before_ranks_start(args, message, tmp_path, capsys):
     argv = ["--world-size", "1", "--model.flavor", "debugmodel_tiny", "--job.dump_folder", str(tmp_path / "run")]
     assert preflight.main(argv + args) == 1
     err = capsys.readouterr().err.splitlines()
