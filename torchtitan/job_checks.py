@@ -63,6 +63,8 @@ _RULES = {
     "checkpoint.interval": _at_least(1),
     "checkpoint.keep_latest_k": ((lambda v: v >= 0), "0 (keep all) or more"),
     "checkpoint.load_step": _minus_one_or_at_least(0, "the latest checkpoint"),
+    "checkpoint.hf_interval": ((lambda v: v >= 0), "0 (only as last_save says) or more"),  # < 0 was taken as 0
+    "checkpoint.hf_max_shard_mb": _at_least(1),
     "metrics.log_freq": _at_least(1),
     "profiling.profile_freq": _at_least(1),
     "activation_checkpoint.memory_budget": _fraction(),
@@ -82,6 +84,10 @@ def check_job_values(cfg: JobConfig) -> None:
     check_schedule(cfg.lr_scheduler, cfg.training.steps)
     check_guard_config(cfg.guard, cfg.checkpoint.enable)
     _check_retention(cfg)
+    if cfg.checkpoint.hf_interval and not cfg.checkpoint.enable:  # the checkpointer writes hf-step-N; off, nothing was
+        raise ValueError(f"--checkpoint.hf_interval {cfg.checkpoint.hf_interval} writes hf-step-N folders from the "
+                         f"checkpointer: add --checkpoint.enable (or drop hf_interval)")
+    _check_hf_saves_of_adapters(cfg)
     if cfg.training.loss_chunk_size > cfg.training.seq_len:
         raise ValueError(f"--training.loss_chunk_size {cfg.training.loss_chunk_size} is longer than the sequence "
                          f"(--training.seq_len {cfg.training.seq_len}); use at most {cfg.training.seq_len}, or -1")
@@ -117,6 +123,18 @@ def _check_retention(cfg: JobConfig) -> None:
     if unsaved:
         raise ValueError(f"--checkpoint.keep_steps {unsaved[0]} is not a saved step (a multiple of "
                          f"--checkpoint.interval {c.interval}, or --training.steps)")
+
+
+def _check_hf_saves_of_adapters(cfg: JobConfig) -> None:
+    """A LoRA run's model is a frozen base plus adapters that no Hugging Face architecture holds; the run's
+    own HF saves (which write the sharded model as it is) failed at their first step, after the training."""
+    c = cfg.checkpoint
+    hf = [f"--checkpoint.hf_interval {c.hf_interval}"] if c.hf_interval else []
+    hf += [f"--checkpoint.last_save {c.last_save}"] if c.last_save in ("full_and_hf", "hf_only") else []
+    if hf and "lora" in cfg.model.converters:
+        raise ValueError(f"{hf[0]} writes the model as trained, and --model.converters lora trains adapters that "
+                         f"no Hugging Face model holds: keep --checkpoint.last_save full and write the folder from "
+                         f"a step checkpoint with scripts/convert_to_hf.py (adapters merged, or --peft BASE)")
 
 
 def _check_creatable_folder(folder: str) -> None:

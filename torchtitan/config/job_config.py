@@ -339,7 +339,8 @@ class Checkpoint:
     of `interval`, or training.steps)."""
 
     hf_interval: int = 0
-    """Also write a Hugging Face folder (`hf-step-N`, see last_save) every N steps; 0 = only as last_save says."""
+    """Also write a Hugging Face folder (`hf-step-N`, see last_save) every N steps; 0 = only as last_save says.
+    Needs `enable`; the folders are not resume points and retention (keep_latest_k) never removes them."""
 
     hf_max_shard_mb: int = 5000
     """Size limit of one safetensors file in Hugging Face folders written by the run (save_pretrained's

@@ -227,7 +227,8 @@ def dry_run(
             errors.append(_one_line(e2))
     except USER_ERRORS as e:
         errors.append(_one_line(e))
-    report = DryRunReport(world_size, f"{cfg.model.name} {cfg.model.flavor}", "", [], errors, 0.0)
+    shape = f"({cfg.model.hf_config})" if cfg.model.hf_config else cfg.model.flavor  # hf_config replaces the flavor
+    report = DryRunReport(world_size, f"{cfg.model.name} {shape}", "", [], errors, 0.0)
     try:
         plan = plan_job(cfg, world_size, tokenizer)
     except USER_ERRORS as e:

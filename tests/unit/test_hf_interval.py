@@ -1,0 +1,82 @@
+"""--checkpoint.hf_interval: Hub-ready Hugging Face folders written during the run (one process, debugmodel_tiny).
+
+4 steps with hf_interval 2 (and interval 2, so the DCP step-2 checkpoint is there to compare with): hf-step-2
+and hf-step-4 are complete folders (save_pretrained's files plus the tokenizer), transformers loads hf-step-2
+and computes the logits of our model at step 2 (fp32 export, within 1e-5 of the logits' scale: the two
+implementations sum in different orders), AutoTokenizer gives the project's ids, and a resume still
+chooses the DCP step-N checkpoints. Bad values are refused by the pre-flight check in one line.
+"""
+
+import os
+
+import pytest
+import torch
+
+from tests.unit.checkpoint_helpers import run
+from torchtitan import preflight
+from torchtitan.components import checkpoint_folders as folders
+from torchtitan.components.offline_model import build_cpu_model, job_config_of, load_model_weights
+
+transformers = pytest.importorskip("transformers")
+
+HUB_FILES = ["config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
+             "tokenizer.json", "tokenizer_config.json"]
+TOKENS = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def _ours_at(step_folder: str) -> torch.Tensor:
+    model, spec, _, args = build_cpu_model(job_config_of(step_folder, []))
+    load_model_weights(model, step_folder, spec.state_dict_adapter, args)
+    with torch.no_grad():
+        out = model.eval()(TOKENS)
+    return getattr(out, "logits", out)
+
+
+def _hf(folder: str) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        return model.eval()(TOKENS).logits
+
+
+def test_hf_interval_writes_hub_ready_folders_that_transformers_loads(tmp_path):
+    common = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.hf_interval", "2",
+              "--checkpoint.export_dtype", "float32"]
+    assert run(tmp_path, "--training.steps", "4", *common) == 0
+    root = tmp_path / "checkpoint"
+    assert sorted(os.listdir(root)) == ["hf-step-2", "hf-step-4", "step-2", "step-4"]  # no .partial left
+    for step in (2, 4):
+        assert sorted(os.listdir(root / f"hf-step-{step}")) == HUB_FILES
+    expected = _ours_at(str(root / "step-2"))
+    got = _hf(str(root / "hf-step-2"))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    assert not torch.allclose(_hf(str(root / "hf-step-4")), got), "hf-step-4 holds the same weights as hf-step-2"
+
+    from torchtitan.components.tokenizer import build_tokenizer
+
+    sample = "def walk(top):\n    \"\"\"Directory tree generator.\"\"\"  12 été"
+    hf_tok = transformers.AutoTokenizer.from_pretrained(root / "hf-step-2")
+    assert hf_tok(sample).input_ids == build_tokenizer(None).encode(sample, bos=True, eos=False)
+
+    # The hf-step-N folders sit beside the step-N checkpoints without being taken for one: a resume chooses step-4.
+    choice = folders.choose_resume_step(str(root))
+    assert (choice.step, choice.skipped) == (4, {})
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--checkpoint.enable", "--checkpoint.hf_interval", "-2"],
+     "--checkpoint.hf_interval must be 0 (only as last_save says) or more, got -2"),
+    (["--checkpoint.hf_interval", "2"], "--checkpoint.hf_interval 2 writes hf-step-N folders from the checkpointer: "
+                                        "add --checkpoint.enable"),
+    (["--checkpoint.enable", "--checkpoint.hf_max_shard_mb", "0"], "--checkpoint.hf_max_shard_mb must be at least 1"),
+    # a LoRA run's model is base + adapters, which no HF architecture holds (was a KeyError at the first save)
+    (["--checkpoint.enable", "--checkpoint.hf_interval", "2", "--model.converters", "lora"],
+     "--checkpoint.hf_interval 2 writes the model as trained, and --model.converters lora trains adapters"),
+    (["--checkpoint.enable", "--checkpoint.last_save", "hf_only", "--model.converters", "lora"],
+     "keep --checkpoint.last_save full and write the folder from a step checkpoint with scripts/convert_to_hf.py"),
+])
+def test_bad_hf_saves_are_refused_before_ranks_start(args, message, tmp_path, capsys):
+    argv = ["--world-size", "1", "--model.flavor", "debugmodel_tiny", "--job.dump_folder", str(tmp_path / "run")]
+    assert preflight.main(argv + args) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert not (tmp_path / "run").exists()
