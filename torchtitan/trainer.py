@@ -145,8 +145,9 @@ class Trainer:
         # a later rollback to a checkpoint before it reloads the data position from before those windows)
         self._skip_windows: dict[int, int] = {}
         self.replica_check = (
-            ReplicaCheck(cfg.guard.replica_check_interval, cfg.guard.replica_check_action, pd, self.device)
-            if cfg.guard.replica_check_interval > 0 and pd.dp_replicate > 1 else None
+            ReplicaCheck(cfg.guard.replica_check_interval, cfg.guard.replica_check_action, pd, self.device,
+                         self.replicas)
+            if cfg.guard.replica_check_interval > 0 and (pd.dp_replicate > 1 or self.replicas is not None) else None
         )
         self.memory = MemoryMonitor(self.device)
         # The peak of the dtype the matmuls really run in: fp8 for float8, fp32 when float8 is emulated.

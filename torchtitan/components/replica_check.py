@@ -6,9 +6,15 @@ so their bytes are equal unless something went wrong silently (a flipped bit in 
 kernel that is not deterministic across devices). Every `--guard.replica_check_interval` steps each rank
 computes a fingerprint of its shards: the sum, as int64, of every tensor's bytes read as integer words (exact,
 so equal bytes give equal sums in any order, and any single flipped bit changes it; a pass over the state, no
-copy). The fingerprints of all ranks are all-gathered (2 int64 per rank), so every rank takes the same
-decision, and a replicate group whose members disagree is named, rank by rank, in one line. torchft replica
-groups (separate jobs) are not compared here.
+copy).
+
+torchft replica groups (--fault_tolerance.enable; separate jobs, same layout) are replicas too: rank r of every
+group holds the same shards, updated by the same gradients averaged across groups. So one set of ranks that
+must agree is a replicate group of the job times every replica group of the quorum: a member is (replica group,
+rank). Each rank first gathers its fingerprint from the same rank of the other groups (through torchft's
+Manager: `Replicas.gather`), then the job all-gathers those rows (3 int64 per rank and group), so every rank of
+a job takes the same decision, and the members that disagree are named in one line. When a group fails during
+the exchange (torchft drops it at the next quorum) that check compares within the job only.
 """
 
 from collections import Counter
@@ -18,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from torchtitan.errors import TrainingError
+from torchtitan.tools.logging import logger
 
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -52,36 +59,63 @@ def fingerprint(model_parts, optimizers) -> torch.Tensor:
 
 def replicate_groups(parallel_dims) -> list[list[int]]:
     """Global ranks that must hold identical state: one list per shard, across the dp_replicate dim."""
+    if parallel_dims.world_size == 1:  # a one-rank torchft group (no mesh)
+        return [[0]]
     mesh = parallel_dims.world_mesh
+    if "dp_replicate" not in mesh.mesh_dim_names:  # torchft groups alone: each rank is its own replicate group
+        return [[r] for r in mesh.mesh.flatten().tolist()]
     axis = mesh.mesh_dim_names.index("dp_replicate")
     return mesh.mesh.movedim(axis, -1).reshape(-1, mesh.mesh.shape[axis]).tolist()
 
 
 class ReplicaCheck:
-    def __init__(self, interval: int, action: str, parallel_dims, device: torch.device):
-        self.interval, self.restart, self.device = interval, action == "restart", device
+    """`replicas` (fault_tolerance.Replicas, or None without torchft) adds the same rank of the other groups."""
+
+    def __init__(self, interval: int, action: str, parallel_dims, device: torch.device, replicas=None):
+        self.interval, self.restart, self.device, self.replicas = interval, action == "restart", device, replicas
         self.groups = replicate_groups(parallel_dims)
+        self.group_id, self.n_groups = (0, 1) if replicas is None else (replicas.replica_id, replicas.group_size)
+
+    def _name(self, member: tuple[int, int]) -> str:
+        group, rank = member
+        return str(rank) if self.replicas is None else f"{rank} of replica group {group}"
 
     def check(self, step: int, model_parts, optimizers) -> None:
         if step % self.interval:
             return
         mine = fingerprint(model_parts, optimizers).to(self.device)  # NCCL gathers device tensors
-        everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(everyone, mine)
+        across = None if self.replicas is None else self.replicas.gather(mine)
+        rows = torch.zeros(self.n_groups, 3, dtype=torch.int64, device=self.device)  # [present, params, state]
+        for group, fp in (across or {self.group_id: mine}).items():
+            rows[group, 0], rows[group, 1:] = 1, fp
+        everyone = [rows]
+        if sum(map(len, self.groups)) > 1:  # the job's world size; a one-rank job has no default group
+            everyone = [torch.zeros_like(rows) for _ in range(dist.get_world_size())]
+            dist.all_gather(everyone, rows)
+        table = {(g, r): tuple(t[g, 1:].tolist()) for r, t in enumerate(everyone) for g in range(self.n_groups)
+                 if t[g, 0]}
         problems = []
-        for group in self.groups:
-            prints = {r: tuple(everyone[r].tolist()) for r in group}
+        for ranks in self.groups:
+            members = [(g, r) for g in range(self.n_groups) for r in ranks if (g, r) in table]
+            prints = {m: table[m] for m in members}
             if len(set(prints.values())) == 1:
                 continue
-            common = Counter(prints.values()).most_common(1)[0][0]  # the majority; with two, the first rank's
-            odd = [r for r in group if prints[r] != common]
             what = " and ".join(n for i, n in enumerate(("parameters", "optimizer state"))
                                 if len({p[i] for p in prints.values()}) > 1)
-            problems.append(f"rank(s) {', '.join(map(str, odd))} disagree with rank(s) "
-                            f"{', '.join(str(r) for r in group if r not in odd)} on their {what}")
+            common, votes = Counter(prints.values()).most_common(1)[0]
+            if 2 * votes <= len(members):  # e.g. two replicas: nothing tells which one is wrong
+                problems.append(f"rank(s) {', '.join(map(self._name, members))} disagree on their {what} "
+                                f"(no majority to tell the faulty one)")
+                continue
+            odd = [m for m in members if prints[m] != common]
+            problems.append(f"rank(s) {', '.join(map(self._name, odd))} disagree with rank(s) "
+                            f"{', '.join(self._name(m) for m in members if m not in odd)} on their {what}")
         if problems:
             then = ("restarting from the last checkpoint (every replica reloads the same state)" if self.restart
                     else "stopping; check those ranks' hardware, then rerun to resume from the last checkpoint")
             raise ReplicaMismatch(
                 f"silent-corruption check at step {step}: data-parallel replicas differ: {'; '.join(problems)}; "
                 f"{then}", restartable=self.restart)
+        if self.replicas is not None:  # which groups took part, since a failed exchange narrows the check
+            groups = sorted({g for g, _ in table})
+            logger.info(f"silent-corruption check at step {step}: replica groups {groups} agree")

@@ -508,7 +508,7 @@ class Guard:
 
     replica_check_interval: int = 0
     """Silent-corruption check (components/replica_check.py): every N steps the data-parallel replicas (HSDP's
-    replicate dim, DDP) compare a fingerprint of their parameters and optimizer state; 0 = off. Independent of
+    replicate dim, DDP, the same rank of every torchft replica group) compare a fingerprint of their parameters and optimizer state; 0 = off. Independent of
     `enable`."""
 
     replica_check_action: Literal["stop", "restart"] = "stop"

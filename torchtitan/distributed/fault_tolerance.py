@@ -44,6 +44,7 @@ class Replicas:
                 f"(--fault_tolerance.group_size {ft.group_size})"
             )
         self.states = states
+        self.replica_id, self.group_size = ft.replica_id, ft.group_size
         self.healed_at: int | None = None  # the step this group's state was copied at (for logs and tests)
         timeout = timedelta(seconds=ft.timeout_seconds)
         pg = torchft.ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else torchft.ProcessGroupGloo(
@@ -83,6 +84,24 @@ class Replicas:
         works = [self.manager.allreduce(g.to_local() if hasattr(g, "to_local") else g) for g in grads]
         for w in works:
             w.wait()
+
+    def gather(self, t: torch.Tensor) -> dict[int, torch.Tensor] | None:
+        """`t` of the same rank in every replica group of this step's quorum, by replica id; None when a group
+        failed during the exchange (the result may be torn; the caller skips what needed it). torchft's Manager
+        offers only an allreduce across groups, so each group adds its row (its replica id + 1, then `t`) into
+        its own slot of a zero table: an exact all-gather for integer tensors. Called by every group at the same
+        step, after `should_commit`, within that step's quorum."""
+        from torch.distributed import ReduceOp
+
+        me = self.manager.participating_rank()
+        table = torch.zeros(self.manager.num_participants(), 1 + t.numel(), dtype=t.dtype, device=t.device)
+        if me is not None:
+            table[me, 0] = self.replica_id + 1
+            table[me, 1:] = t.flatten()
+        self.manager.allreduce(table, reduce_op=ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:
+            return None
+        return {int(row[0]) - 1: row[1:].view_as(t) for row in table if row[0] > 0}
 
     def should_commit(self, step: int) -> bool:
         ok = self.manager.should_commit()
