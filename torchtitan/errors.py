@@ -1,13 +1,10 @@
 """The errors a user can cause and fix: each is reported as one line and a non-zero exit, never a traceback."""
 
 from torchtitan.components.checkpoint import CheckpointError
+from torchtitan.components.training_error import TrainingError
 from torchtitan.config import ConfigError
 from torchtitan.datasets.sources import DataSourceError
 from torchtitan.distributed.parallel_dims import LayoutError
-
-
-class TrainingError(RuntimeError):
-    """The run cannot go on (e.g. the loss became NaN); the message says where and why."""
 
 
 # DataSourceError: said in one line, but restartable (train.py records user errors as restartable).

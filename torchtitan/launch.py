@@ -7,7 +7,7 @@ the folder in TORCHTITAN_FAILURE_DIR (torchtitan.tools.restart.record_failure; t
 per attempt, else the launcher makes one). When the first failure is a user error (bad config value, missing
 file, diverged loss: torchtitan/errors.py), the launcher prints that line once and exits 1, instead of torchrun's
 ChildFailedError traceback, which would bury it (and a peer whose collective broke because of it exits without
-its traceback: `peer_reported_user_error`). A real crash (any other exception, a signal) keeps torchrun's full
+its traceback: `tools.restart.peer_reported_user_error`). A real crash (any other exception, a signal) keeps torchrun's full
 report.
 
 After a user error the other ranks are collateral. torchrun stops them with SIGTERM, but a rank blocked in a NCCL
@@ -117,16 +117,6 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # the state follows the (command name)
     except (OSError, IndexError):
         return False
-
-
-def peer_reported_user_error() -> bool:
-    """Called by a rank that failed otherwise (e.g. a collective's broken connection): whether, under this
-    launcher, the job's first failure is another rank's user error. The launcher prints that line; this rank's
-    traceback would only bury it."""
-    folder = os.environ.get(FAILURE_DIR_ENV)
-    if not os.environ.get(LAUNCHED_ENV) or not folder or not os.path.isdir(folder):
-        return False
-    return read_failure(folder).user_error
 
 
 def main(argv: list[str]) -> int:

@@ -11,8 +11,7 @@ import torch.distributed as dist
 from torchtitan.config import ConfigError
 from torchtitan.protocols.train_spec import config_manager
 from torchtitan.errors import USER_ERRORS
-from torchtitan.launch import peer_reported_user_error
-from torchtitan.tools.restart import LAUNCHED_ENV, record_failure
+from torchtitan.tools.restart import LAUNCHED_ENV, peer_reported_user_error, record_failure
 from torchtitan.trainer import Trainer
 
 PREEMPTED_EXIT = 143  # 128 + SIGTERM: the run stopped early (checkpoint saved); rerunning it resumes

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.config.job_config import Guard as GuardConfig
-from torchtitan.errors import TrainingError
+from torchtitan.components.training_error import TrainingError
 from torchtitan.tools.logging import logger
 
 MAD_TO_SIGMA = 1.4826

@@ -119,6 +119,16 @@ def read_failure(folder: str) -> Failure:
     return Failure(first["error"], all(r["restartable"] for r in reports), bool(first.get("user_error")))
 
 
+
+def peer_reported_user_error() -> bool:
+    """Called by a rank that failed otherwise (e.g. a collective's broken connection): whether, under this
+    launcher, the job's first failure is another rank's user error. The launcher prints that line; this rank's
+    traceback would only bury it."""
+    folder = os.environ.get(FAILURE_DIR_ENV)
+    if not os.environ.get(LAUNCHED_ENV) or not folder or not os.path.isdir(folder):
+        return False
+    return read_failure(folder).user_error
+
 def run_with_restarts(cmd: list[str], max_restarts: int, same_failure_limit: int = 3, log=None) -> int:
     """Runs `cmd` until it exits 0, restarting it at most `max_restarts` times; returns the exit code."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
