@@ -60,6 +60,8 @@ REFUSED = {
     ("qwen3", "pp2"): "tie",  # the tied debug flavor cannot be cut into stages
     ("llama3", "memory_budget"): "memory_budget is applied by the compiler",
     **{(f, "document_masking"): "does not take that input" for f in ("qwen3", "qwen3_moe", "deepseek_v3")},
+    # TP splits an MoE model's experts over the tp ranks' tokens: TP alone (ep 1) is refused.
+    **{(f, "tp2"): "needs expert_parallel_degree a multiple of it" for f in MOE},
 }
 ONE_PROCESS_REFUSALS = {"memory_budget": ["--activation_checkpoint.mode", "memory_budget"]}
 
