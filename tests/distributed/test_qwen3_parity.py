@@ -75,7 +75,7 @@ def _qk_norm_declared_replicated(rank, world_size):
     weight's gradient is not all-reduced; each rank learns from its own heads only and the replicas drift."""
     from torch.distributed.tensor import Replicate
 
-    import torchtitan.models.qwen3.parallelize as par
+    import torchtitan.distributed.parallelize as par  # the composition applies every family's plan
 
     real = par.parallelize_module
 

@@ -1,0 +1,159 @@
+"""Every registered family x every feature, 2 steps of its debug flavor at the default precision (`auto`).
+
+Generated from the registry: a family joins by being registered with a `debugmodel_tiny` flavor (the shipped
+families have one; test-registered toys have none and stay out). Each combination either trains, or is refused
+by `plan_job` before any rank starts with one line (a USER_ERROR) that the table below expects.
+
+One process (in-process trainers, one after another): each AC mode, Float8 (emulated on CPU), document masking
+and Muon. Two ranks, in ONE spawned group that builds one trainer per combination: FSDP 2, TP 2, PP 2, CP 2
+and, for the MoE families, EP 2. Compile is left to tests/distributed/test_compile.py (dense) and
+tests/unit/test_moe_compile.py (both MoE families): a compiled MoE block costs minutes on this CPU.
+
+What is checked: the run ends with 2 finite losses; features that do not change the forward (AC, Muon) and the
+layouts log the same first-step loss as the family's plain one-process run (before any update: same init,
+same data) within 2e-2 relative (bf16 matmuls and reductions in another order), Float8 within 5e-2.
+"""
+
+import json
+import math
+import os
+
+import pytest
+
+from tests.multiprocess import free_port, run_ranks
+from torchtitan.errors import USER_ERRORS
+from torchtitan.job_plan import plan_job
+from torchtitan.protocols.train_spec import _registered, config_manager
+
+pytestmark = pytest.mark.distributed
+
+FAMILIES = sorted(name for name, spec in _registered().items() if "debugmodel_tiny" in spec.flavors)
+MOE = {"qwen3_moe", "deepseek_v3"}
+
+BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.steps", "2",
+        "--training.global_batch_size", "4", "--training.local_batch_size", "4", "--metrics.log_freq", "1", "--debug.seed", "3",
+        "--lr_scheduler.warmup_steps", "1"]
+
+ONE_PROCESS = {
+    "plain": [],
+    "ac_full": ["--activation_checkpoint.mode", "full"],
+    "ac_selective_op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+    "ac_selective_2": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
+    "float8": ["--model.converters", "float8", "--float8.emulate"],
+    "document_masking": ["--training.document_masking"],
+    "muon": ["--optimizer.name", "Muon"],
+}
+SAME_FIRST_LOSS = {"ac_full": 2e-2, "ac_selective_op": 2e-2, "ac_selective_2": 2e-2, "muon": 2e-2, "float8": 5e-2}
+
+TWO_RANKS = {
+    "fsdp2": ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"],
+    "tp2": ["--parallelism.tensor_parallel_degree", "2"],
+    "pp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "GPipe"],
+    "cp2": ["--parallelism.context_parallel_degree", "2"],
+    "ep2": ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"],
+}
+
+# (family, feature) -> a phrase of the one-line refusal. Anything else must train.
+REFUSED = {
+    ("llama3", "ep2"): "needs a model with routed experts",
+    ("qwen3", "ep2"): "needs a model with routed experts",
+    ("qwen3", "pp2"): "tie",  # the tied debug flavor cannot be cut into stages
+    ("llama3", "memory_budget"): "memory_budget is applied by the compiler",
+    **{(f, "document_masking"): "does not take that input" for f in ("qwen3", "qwen3_moe", "deepseek_v3")},
+    # TP splits an MoE model's experts over the tp ranks' tokens: TP alone (ep 1) is refused.
+    **{(f, "tp2"): "needs expert_parallel_degree a multiple of it" for f in MOE},
+}
+ONE_PROCESS_REFUSALS = {"memory_budget": ["--activation_checkpoint.mode", "memory_budget"]}
+
+
+def _argv(family, extra, dump):
+    return ["--model.name", family, *BASE, *extra, "--job.dump_folder", str(dump)]
+
+
+def _losses(dump) -> list[float]:
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        return [json.loads(line)["loss"] for line in f if "loss" in json.loads(line)]
+
+
+def _refusal(family, extra, world) -> str | None:
+    try:
+        plan_job(config_manager().parse_args(_argv(family, extra, "/unused")), world)
+    except USER_ERRORS as e:
+        return str(e)
+    return None
+
+
+def _check(family, feature, losses, plain):
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses), (family, feature, losses)
+    rtol = SAME_FIRST_LOSS.get(feature, 2e-2 if feature in TWO_RANKS else None)
+    if rtol is not None:
+        assert losses[0] == pytest.approx(plain[0], rel=rtol), (family, feature, losses, plain)
+
+
+@pytest.fixture(scope="module")
+def plain_losses(tmp_path_factory):
+    from torchtitan.train import main
+
+    out = {}
+    for family in FAMILIES:
+        dump = tmp_path_factory.mktemp(f"{family}_plain")
+        assert main(_argv(family, [], dump)) == 0
+        out[family] = _losses(dump)
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_process_features(family, plain_losses, tmp_path, monkeypatch):
+    from torchtitan.train import main
+
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
+    for feature, extra in {**ONE_PROCESS, **ONE_PROCESS_REFUSALS}.items():
+        if feature == "plain":
+            continue
+        refusal = _refusal(family, extra, 1)
+        expected = REFUSED.get((family, feature), REFUSED.get(("llama3", feature)) if feature == "memory_budget" else None)
+        if expected is not None:
+            assert refusal is not None and expected in refusal and "\n" not in refusal, (family, feature, refusal)
+            continue
+        assert refusal is None, (family, feature, refusal)
+        dump = tmp_path / feature
+        assert main(_argv(family, extra, dump)) == 0, (family, feature)
+        _check(family, feature, _losses(dump), plain_losses[family])
+
+
+def _combos():
+    runs, refusals = [], []
+    for family in FAMILIES:
+        for feature, extra in TWO_RANKS.items():
+            if feature == "ep2" and family not in MOE and (family, feature) not in REFUSED:
+                continue
+            (refusals if (family, feature) in REFUSED else runs).append((family, feature, extra))
+    return runs, refusals
+
+
+def _train_all(rank, world_size, runs, ports, folder):
+    import torch.distributed as dist
+
+    from torchtitan.trainer import Trainer
+
+    dist.destroy_process_group()  # each trainer sets up (and closes) its own group, on its own port
+    for (family, feature, extra), port in zip(runs, ports):
+        os.environ["MASTER_PORT"] = str(port)
+        trainer = Trainer(config_manager().parse_args(_argv(family, extra, os.path.join(folder, f"{family}_{feature}"))))
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+    return rank
+
+
+def test_two_rank_layouts(plain_losses, tmp_path):
+    runs, refusals = _combos()
+    for family, feature, extra in refusals:
+        refusal = _refusal(family, extra, 2)
+        assert refusal is not None and REFUSED[family, feature] in refusal and "\n" not in refusal, (family, feature)
+    for family, feature, extra in runs:
+        assert _refusal(family, extra, 2) is None, (family, feature)
+    run_ranks(_train_all, 2, runs, [free_port() for _ in runs], str(tmp_path), timeout=1500)
+    for family, feature, _ in runs:
+        _check(family, feature, _losses(tmp_path / f"{family}_{feature}"), plain_losses[family])
