@@ -1,16 +1,9 @@
-"""Silent-corruption check under HSDP 2x2 (4 gloo ranks: replicate 2 x shard 2), one 100-step run: a bit of one
-replica's parameter shard is flipped (fault injection) at a seeded step in the last ten; the checks every 10
-steps before it raise no alarm (no false alarm over 90 steps of fault-free training), and the first check after
-it names the replicate group that disagrees (ranks 1 and 3; with two replicas no majority tells which one flipped,
-so both are named and the other group, ranks 0 and 2, is not; three torchft groups name the one,
-test_fault_tolerance.py).
-
-Why no separate fault-free 100-step run: the check is stateless (each one compares that step's state alone) and
-the run is deterministic, so a fault-free run is this run's first 90 steps, identical bit for bit, plus ten more
-steps of the same code; a false alarm needs replicas whose bytes diverge without a fault, and a divergence
-persists once it appears (each replica updates its own copy; nothing pulls their bytes back together), so the
-nine checks would have seen any that 90 fault-free steps produce. A second 4-rank
-100-step run would double this test's time to show the same."""
+"""Silent-corruption check under HSDP 2x2 (4 gloo ranks: replicate 2 x shard 2), one 110-step run: for the first
+100 steps nothing is injected and the ten checks (every 10 steps) must raise no alarm (the no-false-alarm run);
+then a bit of one replica's parameter shard is flipped (fault injection) at a seeded step in 101-109, and the check
+at step 110 names the replicate group that disagrees (ranks 1 and 3; with two replicas no majority tells which one
+flipped, so both are named and the other group, ranks 0 and 2, is not; three torchft groups name the one,
+test_fault_tolerance.py). One run shows both: its first 100 steps are a fault-free 100-step run, bit for bit."""
 
 import functools
 import json
@@ -24,7 +17,7 @@ from tests.distributed.trainer_runs import read_metrics, train
 pytestmark = pytest.mark.distributed
 
 HSDP = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
-        "--training.local_batch_size", "2", "--training.seq_len", "32", "--training.steps", "100",
+        "--training.local_batch_size", "2", "--training.seq_len", "32", "--training.steps", "110",
         "--metrics.log_freq", "10", "--guard.replica_check_interval", "10"]
 
 
@@ -34,13 +27,13 @@ def with_faults(faults, rank, world_size):
 
 def test_flipped_bit_is_named_and_no_false_alarm(tmp_path):
     rng = random.Random(int(os.environ.get("TORCHTITAN_FAULT_SEED", "0")))
-    flip = rng.randrange(91, 100)
+    flip = rng.randrange(101, 110)
     folder = str(tmp_path)
     # Mesh [[0, 1], [2, 3]] (replicate outer): ranks 1 and 3 hold the same shard.
     faults = [{"kind": "flip_bit", "step": flip, "rank": 3, "bit": rng.randrange(23)}]  # a mantissa bit
     with pytest.raises(RuntimeError) as err:
         train(4, HSDP, folder, setup=functools.partial(with_faults, faults))
-    assert ("silent-corruption check at step 100: data-parallel replicas differ: rank(s) 1, 3 disagree on their "
+    assert ("silent-corruption check at step 110: data-parallel replicas differ: rank(s) 1, 3 disagree on their "
             "parameters (no majority to tell the faulty one); stopping") in str(err.value), str(err.value)[-3000:]
     logged = [m["step"] for m in read_metrics(folder) if "loss" in m]
-    assert logged == [1, *range(10, 101, 10)]  # trained through every earlier check
+    assert logged == [1, *range(10, 111, 10)]  # trained through every earlier check, the 100 fault-free steps too
