@@ -4,8 +4,8 @@ Generated from the registry: a family joins by being registered with a `debugmod
 families have one; test-registered toys have none and stay out). Each combination either trains, or is refused
 by `plan_job` before any rank starts with one line (a USER_ERROR) that the table below expects.
 
-One process (in-process trainers, one after another): each AC mode, Float8 (emulated on CPU), document masking
-and Muon. Two ranks, in ONE spawned group that builds one trainer per combination: FSDP 2, TP 2, PP 2, CP 2
+One process (in-process trainers, one after another): each AC mode, Float8 (emulated on CPU), document masking,
+Muon, and LoRA composed with Float8 and full AC. Two ranks, in ONE spawned group that builds one trainer per combination: FSDP 2, TP 2, PP 2, CP 2
 and, for the MoE families, EP 2. Compile is left to tests/distributed/test_compile.py (dense) and
 tests/unit/test_moe_compile.py (both MoE families): a compiled MoE block costs minutes on this CPU.
 
@@ -42,8 +42,12 @@ ONE_PROCESS = {
     "float8": ["--model.converters", "float8", "--float8.emulate"],
     "document_masking": ["--training.document_masking"],
     "muon": ["--optimizer.name", "Muon"],
+    # LoRA on the attention projections, composed with emulated Float8 and full AC (B starts at zero: the first
+    # step computes the Float8 base model).
+    "lora_float8_ac": ["--model.converters", "float8,lora", "--float8.emulate", "--activation_checkpoint.mode", "full"],
 }
-SAME_FIRST_LOSS = {"ac_full": 2e-2, "ac_selective_op": 2e-2, "ac_selective_2": 2e-2, "muon": 2e-2, "float8": 5e-2}
+SAME_FIRST_LOSS = {"ac_full": 2e-2, "ac_selective_op": 2e-2, "ac_selective_2": 2e-2, "muon": 2e-2, "float8": 5e-2,
+                   "lora_float8_ac": 5e-2}
 
 TWO_RANKS = {
     "fsdp2": ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"],
