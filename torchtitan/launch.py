@@ -17,6 +17,7 @@ later are killed by the launcher (ranks of this node: another node's launcher se
 """
 
 import glob
+import json
 import logging
 import os
 import signal
@@ -60,29 +61,31 @@ PEER_GRACE_S = 5.0  # seconds the other ranks get to end by themselves after a r
 
 class _PeerStopper(threading.Thread):
     """Kills this launcher's child processes (the ranks) PEER_GRACE_S after a rank that reported a user error
-    (or any rank) has exited."""
+    has exited."""
 
     def __init__(self, folder: str) -> None:
         super().__init__(daemon=True)
         self.folder, self.done, self.started = folder, threading.Event(), time.time()
 
-    def _reported(self) -> bool:
-        """A rank of this launch (not a stale file in a reused folder) wrote its failure."""
+    def _reporters(self) -> list[int]:
+        """The pids of the ranks of this launch (not stale files in a reused folder) that wrote a failure."""
+        pids = []
         for path in glob.glob(os.path.join(glob.escape(self.folder), "*.json")):
             try:
                 if os.path.getmtime(path) >= self.started - 1:
-                    return True
-            except OSError:  # replaced or removed meanwhile
+                    with open(path) as f:
+                        pids.append(int(json.load(f).get("pid", -1)))
+            except (OSError, ValueError):  # replaced or removed meanwhile, or half written
                 continue
-        return False
+        return pids
 
     def run(self) -> None:
-        most = 0
         while not self.done.wait(0.2):
-            alive = len(_children())
-            most = max(most, alive)
-            # The grace starts once a rank has exited: the failing rank may still be finishing a checkpoint.
-            if alive < most and self._reported() and read_failure(self.folder).user_error:
+            reporters = self._reporters()
+            # The grace starts once a reporting rank has exited (it may still be finishing a checkpoint): its pid
+            # is watched, not the count of running ranks, since under load a rank can fail and exit before this
+            # thread ever saw every rank running.
+            if reporters and not all(_running(pid) for pid in reporters) and read_failure(self.folder).user_error:
                 if not self.done.wait(PEER_GRACE_S):
                     for pid in _children():
                         try:

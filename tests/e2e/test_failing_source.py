@@ -81,4 +81,5 @@ def test_a_peer_that_sigterm_cannot_stop_is_killed_after_the_grace(tmp_path):
     assert p.returncode == 1, p.stderr[-3000:]
     assert [line for line in p.stderr.splitlines() if line.startswith("error:")] == [
         "error: data source web failed 4 times in a row reading document 7"], p.stderr[-3000:]
-    assert took < PEER_GRACE_S + 5, p.stderr[-3000:]  # torchrun alone waits 30 s before it kills rank 0
+    # torchrun alone waits 30 s before it kills rank 0; the grace plus 15 s leaves room for a loaded machine.
+    assert took < PEER_GRACE_S + 15, p.stderr[-3000:]

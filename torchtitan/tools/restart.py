@@ -49,7 +49,7 @@ def record_failure(message: str, *, restartable: bool = True, user_error: bool =
         return
     rank = os.environ.get("RANK", "0")
     record = {"rank": int(rank), "error": message, "restartable": restartable, "user_error": user_error,
-              "time": time.time()}
+              "time": time.time(), "pid": os.getpid()}
     path = os.path.join(folder, f"rank-{rank}.json")
     try:
         with open(path + ".tmp", "w") as f:
