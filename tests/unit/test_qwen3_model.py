@@ -11,7 +11,7 @@ from torchtitan.config import ConfigManager
 from torchtitan.distributed.parallel_dims import LayoutError
 from torchtitan.job_plan import plan_job
 from torchtitan.models.qwen3 import Qwen3, qwen3_flavors
-from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+from torchtitan.models.common.qwen3_state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.tools.params import count_params
 from torchtitan.components.hf_folder import load_hf_folder, save_hf_folder  # noqa: E402
 

@@ -9,11 +9,11 @@ from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.datasets.dataloader import build_text_dataloader
 from torchtitan.distributed.pipeline import pipeline_model
-from torchtitan.models.qwen3.args import Qwen3ModelArgs
+from torchtitan.models.common.qwen3_args import Qwen3ModelArgs
 from torchtitan.models.qwen3.flavors import qwen3_flavors
 from torchtitan.models.qwen3.model import Qwen3
 from torchtitan.models.qwen3.parallelize import parallelize_qwen3
-from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+from torchtitan.models.common.qwen3_state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
 __all__ = ["Qwen3", "Qwen3ModelArgs", "qwen3_flavors"]

@@ -17,7 +17,7 @@ eps 1e-6, 40960 positions; the three small sizes tie the output projection to th
 The values are shared: copy one (dataclasses.replace) before changing a field such as vocab_size.
 """
 
-from torchtitan.models.qwen3.args import Qwen3ModelArgs
+from torchtitan.models.common.qwen3_args import Qwen3ModelArgs
 
 
 def _published(dim: int, n_layers: int, n_heads: int, hidden_dim: int, tie: bool) -> Qwen3ModelArgs:

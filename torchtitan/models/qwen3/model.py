@@ -22,7 +22,7 @@ from torch import nn
 
 from torchtitan.models.common.qk_norm_attention import QKNormAttention
 from torchtitan.models.common.rope import precompute_rope_cache
-from torchtitan.models.qwen3.args import Qwen3ModelArgs
+from torchtitan.models.common.qwen3_args import Qwen3ModelArgs
 
 
 def _trunc_normal(weight: torch.Tensor, std: float) -> None:

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchtitan.components.moe.args import MoEArgs, moe_args_for_job
-from torchtitan.models.qwen3.args import Qwen3ModelArgs
+from torchtitan.models.common.qwen3_args import Qwen3ModelArgs
 
 
 @dataclass

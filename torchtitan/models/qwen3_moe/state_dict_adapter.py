@@ -13,7 +13,7 @@ import torch
 
 from torchtitan.components.moe.args import MoEArgs
 from torchtitan.components.moe.hf_experts import is_expert_key, stack_experts, unstack_experts
-from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter, read_qwen3_config
+from torchtitan.models.common.qwen3_state_dict_adapter import Qwen3StateDictAdapter, read_qwen3_config
 from torchtitan.models.qwen3_moe.args import Qwen3MoeModelArgs
 from torchtitan.protocols.hf_config import HFConfigReader, UnsupportedHFConfig
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter

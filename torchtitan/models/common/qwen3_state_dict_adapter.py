@@ -10,7 +10,7 @@ import re
 
 import torch
 
-from torchtitan.models.qwen3.args import Qwen3ModelArgs
+from torchtitan.models.common.qwen3_args import Qwen3ModelArgs
 from torchtitan.protocols.hf_config import HFConfigReader, UnsupportedHFConfig, rope_dict
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
