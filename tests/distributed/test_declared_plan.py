@@ -8,9 +8,7 @@ is row-wise) must not pass: measured, its run dies on the shape mismatch (Runtim
 from dataclasses import dataclass
 
 import pytest
-import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from tests.distributed.test_parity_2d import assert_parity
 from tests.distributed.trainer_runs import curves, train

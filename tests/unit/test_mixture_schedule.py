@@ -2,7 +2,6 @@
 mid-phase under another DP degree, extensible with a new phase; a source that fails and recovers reads the
 same samples; bad schedules are refused in one line by the pre-flight check."""
 
-import itertools
 import shutil
 
 import pytest
