@@ -130,3 +130,47 @@ def test_a_rank_that_does_not_fit_the_device_is_an_error(capsys):
         assert dry_run_main(["--world-size", "1", *bad, *big]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and said in err, err
+
+
+def test_muon_optimizer_bytes_and_step_workspace_per_rank():
+    """Muon keeps one momentum buffer per matrix (no step), AdamW's states for the rest; its step needs the
+    gathered matrices the rank owns, which shrink with the world (owner_bytes' 1/N + largest)."""
+    from torchtitan.components.muon import default_is_muon_param
+    from torchtitan.components.muon_distributed import ns_workspace_bytes, owner_bytes
+
+    report = dry_run(cfg("--optimizer.name", "Muon"), world_size=1)
+    from torchtitan.models.llama3 import Transformer
+
+    model = Transformer(report.plan.model_args)
+    muon = [p for n, p in model.named_parameters() if default_is_muon_param(n, p)]
+    rest = [p for n, p in model.named_parameters() if not default_is_muon_param(n, p)]
+    assert muon and rest
+    assert report.ranks[0].optimizer_bytes == sum(4 * p.numel() for p in muon) + sum(8 * p.numel() + 4 for p in rest)
+    shapes = [tuple(p.shape) for p in muon]
+    largest = max(a * b for a, b in shapes)
+    total = sum(a * b for a, b in shapes)
+    for world in (1, 2, 4):
+        per_rank = [owner_bytes(shapes, world, r, 5, 4, 4)[0] for r in range(world)]
+        bound = (total / world + largest) * 4 * (world > 1) + max(ns_workspace_bytes(s, 4, 4) for s in shapes)
+        assert max(per_rank) <= bound, (world, per_rank, bound)
+    assert max(owner_bytes(shapes, 4, r, 5, 4, 4)[0] for r in range(4)) < owner_bytes(shapes, 2, 0, 5, 4, 4)[0]
+
+
+def test_muon_step_that_does_not_fit_is_one_line_naming_it():
+    """A device that holds forward and backward but not the Muon step's gathered matrices: the error says
+    Muon's step is what does not fit, names its largest matrix and the fixes."""
+    from torchtitan.planning.hardware import Device
+
+    args = ["--optimizer.name", "Muon", "--training.seq_len", "32", "--parallelism.data_parallel_shard_degree", "2",
+            "--model.flavor", "debugmodel", "--model.overrides", "dim=1024,n_layers=8"]
+    roomy = Device("roomy", 1e15, 1e12, 1e11, 1e11)
+    report = dry_run(config_manager().parse_args(args), world_size=2, device=roomy)
+    memory = report.ranks[0].memory
+    muon = memory.components["Muon step (beyond backward)"]
+    assert report.errors == [] and muon > 0.02 * memory.peak
+    tight = Device("tight", 1e15, memory.peak - muon / 2, 1e11, 1e11)
+    report = dry_run(config_manager().parse_args(args), world_size=2, device=tight)
+    assert len(report.errors) == 1, report.errors
+    line = report.errors[0]
+    assert "only at Muon's optimizer step" in line and "layers." in line and "--optimizer.name AdamW" in line, line
+    assert "\n" not in line

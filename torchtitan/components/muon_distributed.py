@@ -53,6 +53,31 @@ def assign_owners(costs: list[int], n_ranks: int) -> list[int]:
     return owners
 
 
+def ns_workspace_bytes(shape: tuple[int, int], elem_bytes: int, ns_bytes: int) -> int:
+    """Bytes the rank orthogonalising one m x n matrix holds for it at once, beyond its shard: the matrix
+    joined from the gathered blocks and the result's padded blocks scattered back (`elem_bytes`, the
+    update's dtype), the Newton-Schulz iterate, its next value and the product (m x n each) and three r x r
+    Gram-sized temporaries (`ns_bytes`)."""
+    m, n = shape
+    r = min(m, n)
+    return 2 * m * n * elem_bytes + (3 * m * n + 3 * r * r) * ns_bytes
+
+
+def owner_bytes(shapes: list[tuple[int, int]], n_ranks: int, position: int, steps: int, elem_bytes: int,
+                ns_bytes: int) -> tuple[int, int | None]:
+    """(bytes, index of the largest matrix it owns or None) that the rank at `position` of a mesh of
+    `n_ranks` needs at the optimizer step for these Muon matrices (in the optimizer's order, which fixes
+    `assign_owners`): every owned matrix's gathered blocks at once (the gathers are all issued before the
+    first Newton-Schulz), plus the workspace of the largest owned one. One rank (n_ranks 1) owns all."""
+    owners = assign_owners([ns_flops(s, steps) for s in shapes], n_ranks)
+    mine = [i for i, o in enumerate(owners) if o == position]
+    if not mine:
+        return 0, None
+    gathered = sum(shapes[i][0] * shapes[i][1] for i in mine) * elem_bytes if n_ranks > 1 else 0
+    largest = max(mine, key=lambda i: shapes[i][0] * shapes[i][1])
+    return gathered + ns_workspace_bytes(shapes[largest], elem_bytes, ns_bytes), largest
+
+
 def row_blocks(rows: int, mesh_shape: tuple[int, ...]) -> list[int]:
     """Rows of each rank's block (ranks in row-major mesh order) under (Shard(0),) on every mesh dimension:
     DTensor's torch.chunk split, nested one mesh dimension after another (trailing blocks may be empty)."""

@@ -12,7 +12,10 @@ Bytes per rank:
   parameters  local shard sizes of every parameter of the rank's model parts (training.dtype)
   gradients   the same for trainable parameters: FSDP2 keeps sharded gradients in the parameter dtype
   optimizer   Adam/AdamW: exp_avg and exp_avg_sq shaped like each parameter's shard, plus a float32
-              `step` per parameter tensor (torch's non-capturable CPU/GPU default)
+              `step` per parameter tensor (torch's non-capturable CPU/GPU default); Muon: a momentum
+              buffer per Muon matrix (the default rule, components/muon.py), AdamW's states for the rest
+  Muon step   the gathered matrices this rank orthogonalises and the Newton-Schulz temporaries of its
+              largest (components/muon_distributed.py owner_bytes), in the memory estimate
   buffers     non-parameter tensors of the parts (e.g. the RoPE table), replicated on every rank
 """
 
@@ -28,11 +31,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan.components.muon import default_is_muon_param, ns_dtype_for
+from torchtitan.components.muon_distributed import owner_bytes
 from torchtitan.config import JobConfig
 from torchtitan.errors import USER_ERRORS
 from torchtitan.job_plan import JobPlan, plan_job
 from torchtitan.planning.hardware import Device, headroom_note, memory_limit
-from torchtitan.planning.memory import MemoryEstimate, ModelShape, StateBytes, estimate_memory, rank_work
+from torchtitan.planning.memory import MUON_STEP_COMPONENT, MemoryEstimate, ModelShape, StateBytes, estimate_memory, rank_work
 from torchtitan.protocols.model_shape import base_model_args
 from torchtitan.protocols.train_spec import get_train_spec
 
@@ -62,6 +67,8 @@ class RankReport:
     """The pipeline stages this rank holds (empty without pipeline parallel)."""
     memory: MemoryEstimate | None = None
     """Estimated peak memory by component (None when the model has no estimator formula)."""
+    muon_largest: str | None = None
+    """Muon: the largest matrix this rank orthogonalises whole at the optimizer step, "name [m, n]"."""
 
     @property
     def model_state_bytes(self) -> int:
@@ -158,6 +165,36 @@ def part_modules(part: nn.Module) -> list[str]:
     return names
 
 
+def _muon_matrices(cfg: JobConfig, parts: list[nn.Module]) -> dict[str, nn.Parameter]:
+    """The parameters Muon steps, by FQN, in the optimizer's order (the default rule; none without Muon)."""
+    if cfg.optimizer.name != "Muon":
+        return {}
+    return {name: p for part in parts for name, p in part.named_parameters()
+            if p.requires_grad and default_is_muon_param(name, p)}
+
+
+def muon_step_bytes(muon: dict[str, nn.Parameter], rank: int, opt_cfg, on_gpu: bool) -> tuple[int, str | None]:
+    """(bytes, its largest matrix as "name [m, n]") of this rank's Muon step workspace. Matrices are grouped
+    by the mesh they are sharded over, as the optimizer does, and each group's owners are `assign_owners`'
+    over that group, so the figure is this rank's share, not the whole model's. The groups are done one
+    after another, so the workspace is the largest group's."""
+    by_mesh: dict[int, list[tuple[str, nn.Parameter]]] = {}
+    for name, p in muon.items():
+        sharded = isinstance(p, DTensor) and p.device_mesh.size() > 1
+        by_mesh.setdefault(id(p.device_mesh) if sharded else -1, []).append((name, p))
+    ns_dtype = ns_dtype_for(opt_cfg.muon_ns_dtype, torch.device("cuda" if on_gpu else "cpu"))
+    ns_bytes = torch.empty((), dtype=ns_dtype).element_size()
+    worst, worst_name = 0, None
+    for key, named in by_mesh.items():
+        shapes = [tuple(p.shape) for _, p in named]
+        elem = _local(named[0][1]).element_size()
+        order = named[0][1].device_mesh.mesh.flatten().tolist() if key != -1 else [rank]
+        need, idx = owner_bytes(shapes, len(order), order.index(rank), opt_cfg.muon_ns_steps, elem, ns_bytes)
+        if need > worst:
+            worst, worst_name = need, f"{named[idx][0]} {list(shapes[idx])}"
+    return worst, worst_name
+
+
 def rank_report(
     rank: int, plan: JobPlan, cfg: JobConfig, parts: list[nn.Module], stages: list, on_gpu: bool = False
 ) -> RankReport:
@@ -166,12 +203,16 @@ def rank_report(
     param_bytes = sum(_bytes(p) for p in params)
     trainable = [p for p in params if p.requires_grad]
     grad_bytes = sum(_bytes(p) for p in trainable)
+    muon = _muon_matrices(cfg, parts)
+    muon_ids = {id(p) for p in muon.values()}
+    adam = [p for p in trainable if id(p) not in muon_ids]
     n_states = OPTIMIZER_STATES_PER_PARAM.get(cfg.optimizer.name, 2)
-    optimizer_bytes = n_states * grad_bytes + STEP_BYTES * len(trainable)
+    optimizer_bytes = (n_states * sum(_bytes(p) for p in adam) + STEP_BYTES * len(adam)
+                       + sum(_bytes(p) for p in muon.values()))  # Muon: one momentum buffer, no step
     mesh = plan.parallel_dims.world_mesh
     coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
     buffer_bytes = sum(_bytes(b) for b in buffers)
-    memory = None
+    memory, muon_largest = None, None
     shape = ModelShape.from_args(plan.model_args)  # None: the estimator has no formula for this model's blocks
     if shape is not None:
         pp_rank = coords.get("pp", 0)
@@ -183,7 +224,8 @@ def rank_report(
             pp_rank=pp_rank, stages_per_rank=max(1, len(stages)), on_gpu=on_gpu,
             fsdp_shard_params=sum(_local(p).numel() for p in trainable),
         )
-        state = StateBytes(param_bytes, grad_bytes, optimizer_bytes, buffer_bytes)
+        step_bytes, muon_largest = muon_step_bytes(muon, rank, cfg.optimizer, on_gpu)
+        state = StateBytes(param_bytes, grad_bytes, optimizer_bytes, buffer_bytes, step_bytes)
         memory = estimate_memory(shape, state, work)
     return RankReport(
         rank=rank,
@@ -197,7 +239,23 @@ def rank_report(
             StageContents(s.stage_index, s.num_stages, compress_names(part_modules(s.submod))) for s in stages
         ),
         memory=memory,
+        muon_largest=muon_largest if memory is not None else None,
     )
+
+
+def _over_memory_line(r: RankReport, device: Device, memory_headroom: float) -> str:
+    """The one line for a rank whose estimate exceeds the device; it names Muon's step when that is what
+    does not fit (the rest of the step would)."""
+    limit = memory_limit(device, memory_headroom)
+    over = (f"rank {r.rank}: estimated peak memory {r.memory.peak / 2**30:.1f} GiB exceeds the {device.name}'s "
+            f"{device.memory_bytes / 2**30:.0f} GiB{headroom_note(memory_headroom)}")
+    muon = r.memory.components.get(MUON_STEP_COMPONENT, 0)
+    if muon and r.memory.peak - muon <= limit:
+        return (f"{over} only at Muon's optimizer step: the matrices this rank orthogonalises whole (largest "
+                f"{r.muon_largest}) need {muon / 2**30:.1f} GiB more than backward; more data-parallel ranks "
+                f"spread them over more owners, and a matrix too large alone must leave Muon (the train spec's "
+                f"is_muon_param) or the job use --optimizer.name AdamW")
+    return f"{over}; shard more (FSDP/TP/PP), use --activation_checkpoint.mode full or a smaller local batch"
 
 
 def _one_line(e: BaseException) -> str:
@@ -254,12 +312,7 @@ def dry_run(
                 r = rank_report(rank, plan, cfg, parts, stages, on_gpu=device is not None)
                 report.ranks.append(r)
                 if device is not None and r.memory is not None and r.memory.peak > memory_limit(device, memory_headroom):
-                    errors.append(
-                        f"rank {rank}: estimated peak memory {r.memory.peak / 2**30:.1f} GiB exceeds the "
-                        f"{device.name}'s {device.memory_bytes / 2**30:.0f} GiB{headroom_note(memory_headroom)}; "
-                        f"shard more (FSDP/TP/PP), use "
-                        f"--activation_checkpoint.mode full or a smaller local batch"
-                    )
+                    errors.append(_over_memory_line(r, device, memory_headroom))
         except USER_ERRORS as e:
             line = f"rank {rank}: {_one_line(e)}"
             if line.split(": ", 1)[1] not in [x.split(": ", 1)[-1] for x in errors]:

@@ -75,6 +75,9 @@ class StateBytes:
     grads: int
     optimizer: int
     buffers: int = 0
+    step_workspace: int = 0
+    """What the optimizer step allocates beyond the states (Muon: the gathered matrices and Newton-Schulz
+    temporaries of the matrices this rank orthogonalises; AdamW: nothing)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +112,9 @@ class RankWork:
     """PP: receive buffers torch's PipelineStage allocates up front and keeps, one per microbatch for the
     activations of each of this rank's stages but the first and for the gradients of each but the last."""
     on_gpu: bool = False
+    loss_chunk_tokens: int = 0
+    """Chunked loss (training.loss_chunk_size): tokens of one chunk (its positions x the microbatch's
+    sequences); 0 = the plain loss over the whole microbatch."""
 
 
 @dataclasses.dataclass
@@ -141,20 +147,31 @@ def block_elems_per_token(shape: ModelShape, ac: str, tp: int = 1) -> float:
     return (none * (k - 1) + d / tp) / k
 
 
+MUON_STEP_COMPONENT = "Muon step (beyond backward)"
+
+
 def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> MemoryEstimate:
     w = work
     tokens = w.tokens_per_microbatch / w.cp
     vocab_local = shape.vocab / w.tp
     blocks = block_elems_per_token(shape, w.ac, w.tp) * w.blocks * w.act_bytes
+    chunked = 0 < w.loss_chunk_tokens < tokens
+    # The plain loss keeps the fp32 log-softmax (V per token) for backward; the chunked one keeps nothing.
     outside = (shape.dim * w.act_bytes / w.tp if w.holds_embedding else 0) + (
-        2 * shape.dim * w.act_bytes / w.tp + 4 * vocab_local if w.holds_output else 0
+        2 * shape.dim * w.act_bytes / w.tp + (0 if chunked else 4 * vocab_local) if w.holds_output else 0
     )
     if not w.holds_embedding and not w.pp_recv_buffers:
         outside += shape.dim * w.act_bytes / w.tp  # the stage input received from the previous stage
     activations = int(tokens * (blocks + outside) * w.in_flight)
     # When backward starts: the logits (still referenced by the caller), the fp32 gradient of the
     # log-probabilities and the fp32 gradient of the logits, each over the (local) vocabulary.
-    loss_temp = int(tokens * vocab_local * (w.act_bytes + 2 * 4)) if w.holds_output else 0
+    # Chunked: the logits and the gradient buffer they get (both in the logits' dtype), and one chunk's
+    # fp32 upcast and fp32 softmax (the upcast is freed before the softmax is cast back).
+    if chunked:
+        loss_temp = int(vocab_local * (2 * tokens * w.act_bytes + w.loss_chunk_tokens * 2 * 4))
+    else:
+        loss_temp = int(tokens * vocab_local * (w.act_bytes + 2 * 4))
+    loss_temp = loss_temp if w.holds_output else 0
     # FSDP: the current and the prefetched block's parameters gathered, and one block's unsharded gradient.
     fsdp_buffers = 0
     if w.fsdp > 1:  # (the unsharded gradient is part of the accumulated ones when those are kept)
@@ -182,6 +199,11 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
     if not w.grads_live and not w.unsharded_grad_params:
         overlap = min(state.grads, activations + loss_temp)
         c["gradients"] = state.grads - overlap
+    # The optimizer step runs after backward: activations are gone and every gradient is live. Its
+    # workspace counts only as far as it takes the step above the forward/backward peak.
+    if state.step_workspace:
+        at_step = state.params + state.grads + state.optimizer + state.buffers + state.step_workspace
+        c[MUON_STEP_COMPONENT] = max(0, at_step - sum(c.values()))
     total = sum(c.values())
     c["allocator overhead"] = int(ALLOCATOR_OVERHEAD_GPU * total) if w.on_gpu else 0
     c["CUDA context and NCCL buffers"] = RUNTIME_BYTES_GPU if w.on_gpu else 0
@@ -280,6 +302,8 @@ def rank_work(cfg, parallel_dims, grad_accum: int, *, blocks: int, holds_embeddi
         grads_live = n_mb > 1 or grad_accum > 1
     else:
         tokens, in_flight, grads_live, recv = t.local_batch_size * t.seq_len, 1, grad_accum > 1, 0
+    chunk = t.loss_chunk_size
+    chunk_tokens = (tokens // t.seq_len) * chunk if 0 < chunk < t.seq_len // pd.cp else 0
     fsdp = pd.dp_shard * pd.cp if pd.fsdp_enabled else 1
     return RankWork(
         tokens_per_microbatch=tokens, blocks=blocks, holds_embedding=holds_embedding, holds_output=holds_output,
@@ -287,5 +311,5 @@ def rank_work(cfg, parallel_dims, grad_accum: int, *, blocks: int, holds_embeddi
         fsdp=fsdp, ac=ac_key(cfg.activation_checkpoint),
         act_bytes=act_bytes, gathered_param_bytes=act_bytes, on_gpu=on_gpu,
         unsharded_grad_params=fsdp * fsdp_shard_params if fsdp > 1 and grads_live else 0,
-        params_stay_gathered=pd.pp_enabled, pp_recv_buffers=recv,
+        params_stay_gathered=pd.pp_enabled, pp_recv_buffers=recv, loss_chunk_tokens=chunk_tokens,
     )
