@@ -1,17 +1,20 @@
 """MFU where matmuls dominate: a 1B-shaped Llama slice trained a few steps, with a per-op time breakdown,
 the framework's step against a bare PyTorch loop on the same model and kernels, before and after tuning.
 
-    python scripts/bench_mfu.py [--layers 2] [--seq-len 2048] [--batch 1] [--steps 2] [--dtype bfloat16]
+    python scripts/bench_mfu.py [--layers 2] [--seq-len 2048] [--batch 1] [--steps 2] [--dtype bfloat16] [--compile]
 
 The shape: Llama 3.2 1B's block (dim 2048, 16 heads, 8 kv heads, FFN 8192) and its
 vocabulary (128256), `--layers` blocks, the llama3 `Transformer` built from `TransformerModelArgs` (the
 flavor machinery's args; any shape a flavor can name). Parameters in `--dtype` (bfloat16: this CPU
 multiplies bf16 natively; no autocast then), one model and optimizer shared by every variant:
-- framework, before: torchtitan's loss (`build_cross_entropy_loss`, unchunked), its optimizer builder
-  (AdamW, foreach), its gradient clipping: the defaults;
+- framework, before: torchtitan's loss (`build_cross_entropy_loss`, one chunk: the plain loss), its
+  optimizer builder (AdamW, foreach), its gradient clipping: the defaults before the auto chunked loss;
 - bare PyTorch: the same model, F.cross_entropy on float32 logits, torch.optim.AdamW (foreach),
   torch.nn.utils.clip_grad_norm_;
-- framework, after: chunked loss (`--chunk`) and AdamW's fused kernel.
+- framework, defaults: the same with `training.loss_chunk_size -1` (auto: chunked at this vocabulary);
+- framework, tuned: the defaults with AdamW's fused kernel (`--optimizer.implementation fused`);
+- with `--compile`, last: the tuned variant with every block compiled (`--compile.enable`'s regional
+  compile; the warm-up step compiles).
 Variants alternate step by step after one warm-up step each; medians. MFU = model FLOPs (the llama3
 args' `flops_per_token`: 6 x non-embedding params + attention) / step time / the measured peak (the best
 large bf16 GEMM, torchtitan.tools.device_peak). Memory: peak RSS of the process (CPU). The breakdown: one
@@ -47,8 +50,12 @@ def _kind(event, optimizer_ranges) -> str:
     return "norms/RoPE/activations/other"
 
 
-def breakdown(step) -> dict[str, float]:
-    """Self CPU seconds of one step by op kind."""
+TOP_OPS: dict[str, dict[str, float]] = {}
+"""Per variant: self CPU seconds of each op outside the matmuls (what is left to cut), filled by breakdown."""
+
+
+def breakdown(step, name: str = "") -> dict[str, float]:
+    """Self CPU seconds of one step by op kind (and, in TOP_OPS[name], by op for the non-matmul ones)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -60,12 +67,16 @@ def breakdown(step) -> dict[str, float]:
     for e in events:
         if e.name in ("optimizer", "loss"):
             continue
-        out[_kind(e, optimizer_ranges)] += e.self_cpu_time_total / 1e6
+        kind = _kind(e, optimizer_ranges)
+        out[kind] += e.self_cpu_time_total / 1e6
+        if kind != "matmul":
+            ops = TOP_OPS.setdefault(name, {})
+            ops[f"{e.name} ({kind})"] = ops.get(f"{e.name} ({kind})", 0.0) + e.self_cpu_time_total / 1e6
     return out
 
 
 def main() -> None:
-    from torchtitan.components.loss import build_cross_entropy_loss
+    from torchtitan.components.loss import AUTO_CHUNK, build_cross_entropy_loss
     from torchtitan.components.optimizer import build_optimizers
     from torchtitan.config.job_config import JobConfig
     from torchtitan.distributed.utils import clip_grad_norm_
@@ -80,7 +91,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--compile", action="store_true", help="also the tuned variant with each block compiled")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     a = p.parse_args()
     dtype = getattr(torch, a.dtype)
@@ -101,9 +112,10 @@ def main() -> None:
 
     cfg = JobConfig()
     cfg.optimizer.lr = 1e-5
+    cfg.training.seq_len = a.seq_len
+    default_loss = build_cross_entropy_loss(cfg)  # -1: auto, chunked at this vocabulary
+    cfg.training.loss_chunk_size = a.seq_len  # one chunk: the plain loss, the default before auto
     plain_loss = build_cross_entropy_loss(cfg)
-    cfg.training.loss_chunk_size = a.chunk
-    chunked = build_cross_entropy_loss(cfg)
     container = build_optimizers([model], cfg.optimizer)
     (adamw,) = container.optimizers
     params = list(model.parameters())
@@ -139,7 +151,8 @@ def main() -> None:
     variants = {
         "framework, before (plain loss, foreach AdamW)": framework(plain_loss, False),
         "bare PyTorch (same kernels)": bare,
-        f"framework, after (chunked loss {a.chunk}, fused AdamW)": framework(chunked, True),
+        f"framework, defaults (auto: chunked loss {AUTO_CHUNK}, foreach AdamW)": framework(default_loss, False),
+        f"framework, tuned (chunked loss {AUTO_CHUNK}, fused AdamW)": framework(default_loss, True),
     }
     peak = peak_flops(torch.device("cpu"), dtype)
     times = {name: [] for name in variants}
@@ -149,8 +162,22 @@ def main() -> None:
             step()
             if rep:
                 times[name].append(time.perf_counter() - t0)
+    kinds = {name: breakdown(step, name) for name, step in variants.items()}
+    if a.compile:  # last: compiling the blocks changes the shared model for every variant after it
+        from torchtitan.distributed.compile import apply_compile, configure_compile_cache
+
+        configure_compile_cache()
+        apply_compile(model)
+        name = "framework, tuned + regional compile (each block)"
+        variants[name] = variants[list(variants)[-1]]
+        times[name] = []
+        for rep in range(a.steps + 1):  # the warm-up step compiles
+            t0 = time.perf_counter()
+            variants[name]()
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+        kinds[name] = breakdown(variants[name], name)
     rss = _peak_rss_bytes()
-    kinds = {name: breakdown(step) for name, step in variants.items()}
 
     print(f"Llama slice: dim 2048, {args.n_heads} heads, {args.n_kv_heads} kv heads, FFN {ffn}, vocab {args.vocab_size}, "
           f"{a.layers} layers, batch {a.batch} x seq {a.seq_len}, {a.dtype} parameters; {torch.get_num_threads()} threads, "
@@ -165,9 +192,12 @@ def main() -> None:
         shares = " | ".join(f"{100 * kinds[name][k] / total:.1f}" for k in KINDS)
         print(f"| {name} | {med:.2f} ({min(times[name]):.2f}-{max(times[name]):.2f}) | "
               f"{a.batch * a.seq_len / med:,.0f} | {100 * flops_per_step / med / peak:.1f}% | {shares} |")
-    names = list(variants)
-    before, bare_s, after = (statistics.median(times[n]) for n in names)
-    print(f"framework before / bare: {bare_s / before:.3f}x tokens/s; after / before: {before / after:.3f}x")
+    for name in list(variants)[3:]:
+        top = sorted(TOP_OPS.get(name, {}).items(), key=lambda kv: -kv[1])[:8]
+        print(f"largest ops outside the matmuls, {name}: " + "; ".join(f"{op} {t:.2f} s" for op, t in top))
+    before, bare_s, defaults, tuned = (statistics.median(times[n]) for n in list(variants)[:4])
+    print(f"tokens/s ratios: framework before / bare {bare_s / before:.3f}x; defaults / bare {bare_s / defaults:.3f}x; "
+          f"defaults / before {before / defaults:.3f}x; tuned / before {before / tuned:.3f}x")
 
 
 if __name__ == "__main__":

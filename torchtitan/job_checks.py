@@ -50,7 +50,7 @@ _RULES = {
     "training.gc_freq": _at_least(1),
     "training.source_retries": ((lambda v: v >= 0), "0 (fail at the first error) or more"),
     "training.source_retry_backoff_s": _non_negative_number(),
-    "training.loss_chunk_size": _minus_one_or_at_least(1, "no chunking"),
+    "training.loss_chunk_size": _minus_one_or_at_least(1, "auto"),
     "validation.freq": _at_least(1),
     "validation.steps": _minus_one_or_at_least(1, "the whole validation split"),
     "validation.local_batch_size": _at_least(1),
@@ -90,7 +90,7 @@ def check_job_values(cfg: JobConfig) -> None:
     _check_hf_saves_of_adapters(cfg)
     if cfg.training.loss_chunk_size > cfg.training.seq_len:
         raise ValueError(f"--training.loss_chunk_size {cfg.training.loss_chunk_size} is longer than the sequence "
-                         f"(--training.seq_len {cfg.training.seq_len}); use at most {cfg.training.seq_len}, or -1")
+                         f"(--training.seq_len {cfg.training.seq_len}); use at most {cfg.training.seq_len} ({cfg.training.seq_len} = the plain loss), or -1 (auto)")
     _check_creatable_folder(cfg.job.dump_folder)
     t = cfg.training
     mixture = parse_mixture(t.datasets) if t.datasets else [(t.dataset, 1.0)]

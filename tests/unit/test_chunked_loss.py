@@ -83,7 +83,7 @@ def test_trainer_with_chunked_loss_logs_the_plain_losses(tmp_path):
 
 
 @pytest.mark.parametrize("size, message", [
-    ("0", "--training.loss_chunk_size must be -1 (no chunking) or at least 1, got 0"),
+    ("0", "--training.loss_chunk_size must be -1 (auto) or at least 1, got 0"),
     ("33", "--training.loss_chunk_size 33 is longer than the sequence (--training.seq_len 32)"),
 ])
 def test_bad_chunk_size_is_one_line(tmp_path, capsys, size, message):
@@ -91,3 +91,29 @@ def test_bad_chunk_size_is_one_line(tmp_path, capsys, size, message):
     assert preflight.main(argv) == 1
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_default_chunks_only_an_eager_loss_over_a_large_vocabulary():
+    """-1 (the default): chunked (AUTO_CHUNK positions) where auto_chunks says it pays, the plain loss else;
+    training.seq_len is always the plain loss. Same sums either way."""
+    from torchtitan.components.loss import AUTO_CHUNK, AUTO_MIN_VOCAB, auto_chunks, build_cross_entropy_loss
+    from torchtitan.config.job_config import JobConfig
+
+    def grad_fn_name(cfg, vocab):
+        torch.manual_seed(0)
+        logits = torch.randn(1, AUTO_CHUNK + 88, vocab, dtype=torch.bfloat16, requires_grad=True)
+        labels = torch.randint(0, vocab, (1, AUTO_CHUNK + 88))
+        loss = build_cross_entropy_loss(cfg)(logits, labels)
+        return type(loss.grad_fn).__name__, loss.detach()
+
+    cfg = JobConfig()
+    assert cfg.training.loss_chunk_size == -1
+    big, plain_big = grad_fn_name(cfg, AUTO_MIN_VOCAB)
+    small, _ = grad_fn_name(cfg, AUTO_MIN_VOCAB // 2)
+    assert "Chunked" in big and "Chunked" not in small, (big, small)
+    cfg.training.loss_chunk_size = cfg.training.seq_len
+    off, plain = grad_fn_name(cfg, AUTO_MIN_VOCAB)
+    assert "Chunked" not in off
+    torch.testing.assert_close(plain_big.float(), plain.float(), rtol=1e-6, atol=0)
+    assert not auto_chunks(AUTO_MIN_VOCAB, compiled=True, loss_parallel=False)
+    assert not auto_chunks(AUTO_MIN_VOCAB, compiled=False, loss_parallel=True)

@@ -3,7 +3,7 @@
 The trainer divides the sum by the number of label tokens in the whole global batch, so gradient
 accumulation, data-parallel sharding and context-parallel sequence sharding all leave the loss unchanged.
 
-Chunked (`training.loss_chunk_size`): no float32 copy of the whole [tokens x vocab] logits, nor of their
+Chunked (`training.loss_chunk_size`; by default where `auto_chunks` says it pays): no float32 copy of the whole [tokens x vocab] logits, nor of their
 gradient, exists at once. The plain loss upcasts the whole logits to float32, keeps the float32 log-softmax
 for backward and builds a float32 gradient before casting it back: at Llama 3's 128k vocabulary those
 tensors are the largest allocations of a step. Chunked, each chunk's float32 work happens inside the chunk
@@ -112,14 +112,45 @@ def chunked_loss(chunk_loss: ChunkLoss, chunk_size: int) -> ChunkLoss:
     return loss
 
 
+AUTO_CHUNK = 512
+"""Sequence positions per chunk of the default (auto) chunked loss: measured fastest of 256-2048 at Llama 3's
+vocabulary on CPU (docs/performance.md, "Chunked cross entropy")."""
+AUTO_MIN_VOCAB = 32768
+"""The smallest (local) vocabulary the default chunks: below it the logits are a small share of a step."""
+
+
+def auto_chunks(local_vocab: int, compiled: bool, loss_parallel: bool) -> bool:
+    """Whether the default (`training.loss_chunk_size -1`) chunks: where it was measured never slower, i.e.
+    the eager loss on plain logits (the direct chunk gradient, no recomputation) of a large vocabulary.
+    Under TP's loss parallel and with a compiled loss each chunk's backward recomputes its log-softmax,
+    so there the default stays the plain loss (set a size to chunk anyway)."""
+    return not compiled and not loss_parallel and local_vocab >= AUTO_MIN_VOCAB
+
+
+def _auto_chunked(loss: ChunkLoss) -> ChunkLoss:
+    """The plain loss, chunked by AUTO_CHUNK positions where `auto_chunks` holds for the logits it gets."""
+    chunked = chunked_loss(loss, AUTO_CHUNK)
+
+    def auto(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if auto_chunks(logits.size(-1), False, isinstance(logits, DTensor)):
+            return chunked(logits, labels)
+        return loss(logits, labels)
+
+    return auto
+
+
 def build_cross_entropy_loss(job_config: JobConfig):
     """The summed token cross entropy, compiled if the job compiles the loss, over sequence chunks of
-    `training.loss_chunk_size` positions when that is set (the compiled kernel is then each chunk's)."""
+    `training.loss_chunk_size` positions (the compiled kernel is then each chunk's); -1, the default, chunks
+    where `auto_chunks` says it pays, and training.seq_len is one chunk (the plain loss)."""
     from torchtitan.distributed.compile import compile_loss, compiles
 
-    loss = compile_loss(cross_entropy_sum) if compiles(job_config, "loss") else cross_entropy_sum
+    compiled = compiles(job_config, "loss")
+    loss = compile_loss(cross_entropy_sum) if compiled else cross_entropy_sum
     chunk = job_config.training.loss_chunk_size
-    return chunked_loss(loss, chunk) if chunk > 0 else loss
+    if chunk == -1:
+        return loss if compiled else _auto_chunked(loss)
+    return chunked_loss(loss, chunk)
 
 
 def pop_source_ids(inputs):

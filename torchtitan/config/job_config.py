@@ -138,8 +138,10 @@ class Training:
 
     loss_chunk_size: int = -1
     """Cross entropy over chunks of this many sequence positions (components/loss.py): no float32
-    copy of the whole [tokens x vocabulary] logits, nor of their gradient, exists at once. -1 = one chunk
-    (the plain loss). At most training.seq_len. See docs/performance.md for when it pays."""
+    copy of the whole [tokens x vocabulary] logits, nor of their gradient, exists at once. -1 = auto:
+    chunks of 512 where it was measured never slower (an eager loss on logits not sharded by TP's loss
+    parallel, with a local vocabulary of 32768 or more), the plain loss elsewhere. training.seq_len = one
+    chunk (the plain loss, always). At most training.seq_len. See docs/performance.md."""
 
 
 @dataclass

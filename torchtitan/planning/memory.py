@@ -30,6 +30,8 @@ import functools
 
 import torch
 
+from torchtitan.components.loss import AUTO_CHUNK, auto_chunks
+from torchtitan.distributed.compile import compiles
 from torchtitan.planning.schedule_order import B, F, I, W, passes, schedule_order
 from torchtitan.tools.precision import DTYPE_NAMES, resolve_precision
 
@@ -303,6 +305,10 @@ def rank_work(cfg, parallel_dims, grad_accum: int, *, blocks: int, holds_embeddi
     else:
         tokens, in_flight, grads_live, recv = t.local_batch_size * t.seq_len, 1, grad_accum > 1, 0
     chunk = t.loss_chunk_size
+    if chunk == -1:  # auto: the trainer's rule (components/loss.py)
+        loss_parallel = pd.tp > 1 and not p.disable_loss_parallel
+        vocab_local = shape.vocab // pd.tp if loss_parallel else shape.vocab
+        chunk = AUTO_CHUNK if auto_chunks(vocab_local, compiles(cfg, "loss"), loss_parallel) else 0
     chunk_tokens = (tokens // t.seq_len) * chunk if 0 < chunk < t.seq_len // pd.cp else 0
     fsdp = pd.dp_shard * pd.cp if pd.fsdp_enabled else 1
     return RankWork(
