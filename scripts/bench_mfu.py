@@ -15,7 +15,8 @@ multiplies bf16 natively; no autocast then), one model and optimizer shared by e
 - framework, tuned: the defaults with AdamW's fused kernel (`--optimizer.implementation fused`);
 - with `--compile`, last: the tuned variant with every block compiled (`--compile.enable`'s regional
   compile; the warm-up step compiles).
-Variants alternate step by step after one warm-up step each; medians. MFU = model FLOPs (the llama3
+Variants alternate step by step after one warm-up step each; medians. Every variant runs with glibc's malloc
+keeping freed memory, as the trainer sets it up on CPU (`--default-malloc`: as glibc starts). MFU = model FLOPs (the llama3
 args' `flops_per_token`: 6 x non-embedding params + attention) / step time / the measured peak (the best
 large bf16 GEMM, torchtitan.tools.device_peak). Memory: peak RSS of the process (CPU). The breakdown: one
 profiled step per variant, self CPU time by op kind.
@@ -81,6 +82,7 @@ def main() -> None:
     from torchtitan.config.job_config import JobConfig
     from torchtitan.distributed.utils import clip_grad_norm_
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+    from torchtitan.tools.cpu_malloc import keep_freed_memory
     from torchtitan.tools.device_peak import peak_flops
     from torchtitan.tools.memory import _peak_rss_bytes
     from torchtitan.tools.params import count_params
@@ -93,8 +95,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="also the tuned variant with each block compiled")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--only", choices=["before", "defaults", "tuned"], help="run this framework variant alone")
+    p.add_argument("--default-malloc", action="store_true",
+                   help="leave glibc's malloc as it is (the trainer keeps freed memory on CPU: tools/cpu_malloc.py)")
     a = p.parse_args()
     dtype = getattr(torch, a.dtype)
+    kept = not a.default_malloc and keep_freed_memory()  # as the trainer does on CPU, for every variant
 
     args = TransformerModelArgs(dim=2048, n_layers=a.layers, n_heads=16, n_kv_heads=8, vocab_size=128256,
                                 ffn_dim_multiplier=1.5, multiple_of=256, rope_theta=500000, max_seq_len=a.seq_len)
@@ -154,6 +160,8 @@ def main() -> None:
         f"framework, defaults (auto: chunked loss {AUTO_CHUNK}, foreach AdamW)": framework(default_loss, False),
         f"framework, tuned (chunked loss {AUTO_CHUNK}, fused AdamW)": framework(default_loss, True),
     }
+    if a.only:  # one variant alone: its own peak RSS (alternating variants share one heap)
+        variants = {n: v for n, v in variants.items() if n.startswith(f"framework, {a.only} ")}
     peak = peak_flops(torch.device("cpu"), dtype)
     times = {name: [] for name in variants}
     for rep in range(a.steps + 1):
@@ -183,7 +191,7 @@ def main() -> None:
           f"{a.layers} layers, batch {a.batch} x seq {a.seq_len}, {a.dtype} parameters; {torch.get_num_threads()} threads, "
           f"{cpu_model_name()}, torch {torch.__version__}")
     print(f"model FLOPs per step {flops_per_step / 1e12:.2f} TFLOP; measured peak (best large {a.dtype} GEMM) "
-          f"{peak / 1e9:,.0f} GFLOP/s; process peak RSS {rss / 2**30:.1f} GiB")
+          f"{peak / 1e9:,.0f} GFLOP/s; process peak RSS {rss / 2**30:.1f} GiB; malloc keeps freed memory: {kept}")
     print("| variant | step s (median, min-max) | tokens/s | MFU | " + " | ".join(f"{k} %" for k in KINDS) + " |")
     print("|---|---|---|---|" + "---|" * len(KINDS))
     for name in variants:
@@ -195,6 +203,8 @@ def main() -> None:
     for name in list(variants)[3:]:
         top = sorted(TOP_OPS.get(name, {}).items(), key=lambda kv: -kv[1])[:8]
         print(f"largest ops outside the matmuls, {name}: " + "; ".join(f"{op} {t:.2f} s" for op, t in top))
+    if a.only:
+        return
     before, bare_s, defaults, tuned = (statistics.median(times[n]) for n in list(variants)[:4])
     print(f"tokens/s ratios: framework before / bare {bare_s / before:.3f}x; defaults / bare {bare_s / defaults:.3f}x; "
           f"defaults / before {before / defaults:.3f}x; tuned / before {before / tuned:.3f}x")

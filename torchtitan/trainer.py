@@ -39,7 +39,7 @@ from torchtitan.errors import TrainingError
 from torchtitan.job_plan import plan_job
 from torchtitan.protocols.model_shape import pin_model_shape
 from torchtitan.protocols.model import ModelOutput, as_model_output, split_inputs
-from torchtitan.tools import fault_injection, stragglers
+from torchtitan.tools import cpu_malloc, fault_injection, stragglers
 from torchtitan.tools.device_peak import peak_flops
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.memory import MemoryMonitor
@@ -55,6 +55,8 @@ class Trainer:
         hang_watch.enable_flight_recorder(cfg.comm.trace_buf_size, cfg.job.dump_folder)  # NCCL only; before init
         self.device, self.rank, self.world_size = dist_utils.init_distributed(cfg.comm)
         init_logger(self.rank)
+        if self.device.type == "cpu" and cfg.training.cpu_keep_freed_memory and cpu_malloc.keep_freed_memory():
+            logger.info("CPU allocator: large freed blocks are kept for reuse (--training.cpu_keep_freed_memory)")
         fault_injection.install(self.rank)  # no-op unless TORCHTITAN_FAULTS is set (fault-tolerance tests)
         self.preempted = False
         self.step_clock = stragglers.StepClock()  # this rank's data and time-to-ready per step

@@ -136,6 +136,11 @@ class Training:
     source_retry_backoff_s: float = 1.0
     """Seconds before the first retry of a failing source; doubled for each further one."""
 
+    cpu_keep_freed_memory: bool = True
+    """CPU runs: glibc's malloc keeps large freed blocks for the next step instead of unmapping each one and
+    page-faulting it in again (tools/cpu_malloc.py; the process then holds its peak between steps, as the
+    CUDA caching allocator does). No effect on GPU runs or without glibc."""
+
     loss_chunk_size: int = -1
     """Cross entropy over chunks of this many sequence positions (components/loss.py): no float32
     copy of the whole [tokens x vocabulary] logits, nor of their gradient, exists at once. -1 = auto:
