@@ -96,24 +96,26 @@ def test_bad_chunk_size_is_one_line(tmp_path, capsys, size, message):
 def test_default_chunks_only_an_eager_loss_over_a_large_vocabulary():
     """-1 (the default): chunked (AUTO_CHUNK positions) where auto_chunks says it pays, the plain loss else;
     training.seq_len is always the plain loss. Same sums either way."""
-    from torchtitan.components.loss import AUTO_CHUNK, AUTO_MIN_VOCAB, auto_chunks, build_cross_entropy_loss
+    from torchtitan.components.loss import AUTO_MIN_POSITIONS, AUTO_MIN_VOCAB, auto_chunks, build_cross_entropy_loss
     from torchtitan.config.job_config import JobConfig
 
-    def grad_fn_name(cfg, vocab):
+    def grad_fn_name(cfg, vocab, positions=AUTO_MIN_POSITIONS):
         torch.manual_seed(0)
-        logits = torch.randn(1, AUTO_CHUNK + 88, vocab, dtype=torch.bfloat16, requires_grad=True)
-        labels = torch.randint(0, vocab, (1, AUTO_CHUNK + 88))
+        logits = torch.randn(1, positions, vocab, dtype=torch.bfloat16, requires_grad=True)
+        labels = torch.randint(0, vocab, (1, positions))
         loss = build_cross_entropy_loss(cfg)(logits, labels)
         return type(loss.grad_fn).__name__, loss.detach()
 
     cfg = JobConfig()
+    cfg.training.seq_len = AUTO_MIN_POSITIONS
     assert cfg.training.loss_chunk_size == -1
     big, plain_big = grad_fn_name(cfg, AUTO_MIN_VOCAB)
     small, _ = grad_fn_name(cfg, AUTO_MIN_VOCAB // 2)
-    assert "Chunked" in big and "Chunked" not in small, (big, small)
+    short, _ = grad_fn_name(cfg, AUTO_MIN_VOCAB, AUTO_MIN_POSITIONS // 2)
+    assert "Chunked" in big and "Chunked" not in small and "Chunked" not in short, (big, small, short)
     cfg.training.loss_chunk_size = cfg.training.seq_len
     off, plain = grad_fn_name(cfg, AUTO_MIN_VOCAB)
     assert "Chunked" not in off
     torch.testing.assert_close(plain_big.float(), plain.float(), rtol=1e-6, atol=0)
-    assert not auto_chunks(AUTO_MIN_VOCAB, compiled=True, loss_parallel=False)
-    assert not auto_chunks(AUTO_MIN_VOCAB, compiled=False, loss_parallel=True)
+    assert not auto_chunks(AUTO_MIN_VOCAB, AUTO_MIN_POSITIONS, compiled=True, loss_parallel=False)
+    assert not auto_chunks(AUTO_MIN_VOCAB, AUTO_MIN_POSITIONS, compiled=False, loss_parallel=True)

@@ -117,14 +117,19 @@ AUTO_CHUNK = 512
 vocabulary on CPU (docs/performance.md, "Chunked cross entropy")."""
 AUTO_MIN_VOCAB = 32768
 """The smallest (local) vocabulary the default chunks: below it the logits are a small share of a step."""
+AUTO_MIN_POSITIONS = 2048
+"""The shortest sequence (positions of one rank's logits) the default chunks: at 1024 positions of a 128k
+vocabulary chunking was measured even with the plain loss (0.96-0.99x a step), at 2048 faster."""
 
 
-def auto_chunks(local_vocab: int, compiled: bool, loss_parallel: bool) -> bool:
+def auto_chunks(local_vocab: int, positions: int, compiled: bool, loss_parallel: bool) -> bool:
     """Whether the default (`training.loss_chunk_size -1`) chunks: where it was measured never slower, i.e.
-    the eager loss on plain logits (the direct chunk gradient, no recomputation) of a large vocabulary.
-    Under TP's loss parallel and with a compiled loss each chunk's backward recomputes its log-softmax,
-    so there the default stays the plain loss (set a size to chunk anyway)."""
-    return not compiled and not loss_parallel and local_vocab >= AUTO_MIN_VOCAB
+    the eager loss on plain logits (the direct chunk gradient, no recomputation) of a large vocabulary
+    and a long sequence (docs/performance.md). Under TP's loss parallel and with a compiled loss each
+    chunk's backward recomputes its log-softmax, so there the default stays the plain loss (set a size to
+    chunk anyway)."""
+    return (not compiled and not loss_parallel and local_vocab >= AUTO_MIN_VOCAB
+            and positions >= AUTO_MIN_POSITIONS)
 
 
 def _auto_chunked(loss: ChunkLoss) -> ChunkLoss:
@@ -132,7 +137,7 @@ def _auto_chunked(loss: ChunkLoss) -> ChunkLoss:
     chunked = chunked_loss(loss, AUTO_CHUNK)
 
     def auto(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if auto_chunks(logits.size(-1), False, isinstance(logits, DTensor)):
+        if auto_chunks(logits.size(-1), logits.size(1), False, isinstance(logits, DTensor)):
             return chunked(logits, labels)
         return loss(logits, labels)
 

@@ -308,7 +308,8 @@ def rank_work(cfg, parallel_dims, grad_accum: int, *, blocks: int, holds_embeddi
     if chunk == -1:  # auto: the trainer's rule (components/loss.py)
         loss_parallel = pd.tp > 1 and not p.disable_loss_parallel
         vocab_local = shape.vocab // pd.tp if loss_parallel else shape.vocab
-        chunk = AUTO_CHUNK if auto_chunks(vocab_local, compiles(cfg, "loss"), loss_parallel) else 0
+        positions = t.seq_len // pd.cp
+        chunk = AUTO_CHUNK if auto_chunks(vocab_local, positions, compiles(cfg, "loss"), loss_parallel) else 0
     chunk_tokens = (tokens // t.seq_len) * chunk if 0 < chunk < t.seq_len // pd.cp else 0
     fsdp = pd.dp_shard * pd.cp if pd.fsdp_enabled else 1
     return RankWork(
