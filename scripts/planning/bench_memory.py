@@ -45,6 +45,7 @@ RUNS = {  # name: (world, extra args)
     "1 rank, AC none, Float8 emulated": (1, ["--model.converters", "float8", "--float8.emulate"]),
     "1 rank, AC none, Float8 emulated, compile": (1, ["--model.converters", "float8", "--float8.emulate",
                                                       "--compile.enable"]),
+    "1 rank, AC none, chunked loss 64": (1, ["--training.loss_chunk_size", "64"]),
     "FSDP 2, AC none": (2, []),
     "FSDP 2, AC full": (2, ["--activation_checkpoint.mode", "full"]),
     "TP 2, AC none": (2, ["--parallelism.tensor_parallel_degree", "2"]),
