@@ -32,7 +32,7 @@ _MIB = 2**20
 def _setup(a, keep_freed: bool = True):
     from torchtitan.tools.cpu_malloc import keep_freed_memory
 
-    if keep_freed:  # as the trainer sets up a CPU run (timing); not for memory: a kept heap hides the step's peak
+    if keep_freed:  # as --training.cpu_keep_freed_memory (timing); not for memory: a kept heap hides the step's peak
         keep_freed_memory()
     from torchtitan.components.loss import build_cross_entropy_loss
     from torchtitan.config.job_config import JobConfig
@@ -111,7 +111,7 @@ def _sweep(a) -> None:
     from torchtitan.tools.cpu_malloc import keep_freed_memory
 
     torch.set_num_threads(a.threads)
-    kept = keep_freed_memory()  # as the trainer sets up a CPU run
+    kept = keep_freed_memory()  # as --training.cpu_keep_freed_memory
     chunks = (256, 512, 1024)
     print(f"the loss alone, fwd + bwd, median of {a.steps} after a warm-up, {a.dtype} logits, batch {a.batch}, "
           f"{a.threads} threads, torch {torch.__version__}; default (auto) chunk {AUTO_CHUNK}; malloc keeps freed memory: {kept}")

@@ -16,7 +16,8 @@ multiplies bf16 natively; no autocast then), one model and optimizer shared by e
 - with `--compile`, last: the tuned variant with every block compiled (`--compile.enable`'s regional
   compile; the warm-up step compiles).
 Variants alternate step by step after one warm-up step each; medians. Every variant runs with glibc's malloc
-keeping freed memory, as the trainer sets it up on CPU (`--default-malloc`: as glibc starts). MFU = model FLOPs (the llama3
+keeping freed memory, as the trainer does with `--training.cpu_keep_freed_memory` (`--default-malloc`: as
+glibc starts, the trainer's default). MFU = model FLOPs (the llama3
 args' `flops_per_token`: 6 x non-embedding params + attention) / step time / the measured peak (the best
 large bf16 GEMM, torchtitan.tools.device_peak). Memory: peak RSS of the process (CPU). The breakdown: one
 profiled step per variant, self CPU time by op kind.
@@ -97,10 +98,10 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--only", choices=["before", "defaults", "tuned"], help="run this framework variant alone")
     p.add_argument("--default-malloc", action="store_true",
-                   help="leave glibc's malloc as it is (the trainer keeps freed memory on CPU: tools/cpu_malloc.py)")
+                   help="leave glibc's malloc as it is (the trainer's default; tools/cpu_malloc.py)")
     a = p.parse_args()
     dtype = getattr(torch, a.dtype)
-    kept = not a.default_malloc and keep_freed_memory()  # as the trainer does on CPU, for every variant
+    kept = not a.default_malloc and keep_freed_memory()  # as --training.cpu_keep_freed_memory, for every variant
 
     args = TransformerModelArgs(dim=2048, n_layers=a.layers, n_heads=16, n_kv_heads=8, vocab_size=128256,
                                 ffn_dim_multiplier=1.5, multiple_of=256, rope_theta=500000, max_seq_len=a.seq_len)

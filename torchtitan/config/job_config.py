@@ -136,10 +136,11 @@ class Training:
     source_retry_backoff_s: float = 1.0
     """Seconds before the first retry of a failing source; doubled for each further one."""
 
-    cpu_keep_freed_memory: bool = True
+    cpu_keep_freed_memory: bool = False
     """CPU runs: glibc's malloc keeps large freed blocks for the next step instead of unmapping each one and
-    page-faulting it in again (tools/cpu_malloc.py; the process then holds its peak between steps, as the
-    CUDA caching allocator does). No effect on GPU runs or without glibc."""
+    page-faulting it in again (tools/cpu_malloc.py): 1.40x a step at a 1B-shaped slice, but the kept heap
+    fragments and never shrinks (+32% peak RSS there, and a benchmark alternating four variants grew past
+    24 GiB), so it is opt-in. No effect on GPU runs or without glibc."""
 
     loss_chunk_size: int = -1
     """Cross entropy over chunks of this many sequence positions (components/loss.py): no float32

@@ -11,7 +11,9 @@ the first step the process holds its peak and reuses it, which is what the CUDA 
 GPUs. The cost is that the process does not shrink between steps (its peak RSS is what it keeps).
 
 Only the process's CPU allocations change; no-op where the C library is not glibc (musl, macOS), and the
-trainer applies it only when it trains on the CPU (`training.cpu_keep_freed_memory`).
+trainer applies it only when it trains on the CPU and `training.cpu_keep_freed_memory` is set (off by
+default: the kept heap fragments, and a benchmark alternating four differently shaped variants grew past
+the machine's 24 GiB with it).
 """
 
 import ctypes
