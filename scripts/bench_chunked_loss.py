@@ -3,7 +3,6 @@ without `training.loss_chunk_size`.
 
     python scripts/bench_chunked_loss.py [--flavor debugmodel] [--vocab 128256] [--seq-len 1024] [--batch 1]
                                          [--chunk 256] [--steps 4] [--dtype bfloat16]
-    python scripts/bench_chunked_loss.py --sweep [--steps 3]   # the loss alone: vocab x seq x chunk
 
 A step: forward under bf16 autocast (the default CPU recipe without FSDP), the job's loss (built by
 `build_cross_entropy_loss`, as the trainer does), backward, AdamW. Memory: each mode runs in a fresh child
@@ -102,45 +101,6 @@ def _time_child(a, queue):
     queue.put((times, values, loss_times))
 
 
-def _sweep(a) -> None:
-    """The loss alone (forward + backward on fixed logits), plain against chunked, over vocabularies,
-    sequence lengths and chunk sizes: where the default (-1, auto) chunks, it must never be slower."""
-    from torchtitan.components.loss import AUTO_CHUNK, build_cross_entropy_loss
-    from torchtitan.config.job_config import JobConfig
-
-    from torchtitan.tools.cpu_malloc import keep_freed_memory
-
-    torch.set_num_threads(a.threads)
-    kept = keep_freed_memory()  # as --training.cpu_keep_freed_memory
-    chunks = (256, 512, 1024)
-    print(f"the loss alone, fwd + bwd, median of {a.steps} after a warm-up, {a.dtype} logits, batch {a.batch}, "
-          f"{a.threads} threads, torch {torch.__version__}; default (auto) chunk {AUTO_CHUNK}; malloc keeps freed memory: {kept}")
-    print("| vocab | seq | plain s | " + " | ".join(f"chunk {c} s (x plain)" for c in chunks) + " |")
-    print("|---|---|---|" + "---|" * len(chunks))
-    for vocab in (32768, 128256, 151936):
-        for seq in (1024, 2048, 4096):
-            logits = torch.randn(a.batch, seq, vocab, dtype=getattr(torch, a.dtype)).requires_grad_()
-            labels = torch.randint(0, vocab, (a.batch, seq), generator=torch.Generator().manual_seed(1))
-            fns = {}
-            for c in (seq, *chunks):
-                cfg = JobConfig()
-                cfg.training.seq_len, cfg.training.loss_chunk_size = seq, c
-                fns[c] = build_cross_entropy_loss(cfg)
-            times = {c: [] for c in fns}
-            for rep in range(a.steps + 1):
-                for c, fn in fns.items():
-                    t0 = time.perf_counter()
-                    fn(logits, labels).backward()
-                    logits.grad = None
-                    if rep:
-                        times[c].append(time.perf_counter() - t0)
-            plain = statistics.median(times[seq])
-            cells = " | ".join(f"{statistics.median(times[c]):.3f} ({statistics.median(times[c]) / plain:.2f})"
-                               for c in chunks)
-            print(f"| {vocab} | {seq} | {plain:.3f} | {cells} |", flush=True)
-            del logits
-
-
 def _child(target, *args):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -161,10 +121,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--sweep", action="store_true", help="the loss alone over vocabularies, lengths and chunks")
     a = p.parse_args()
-    if a.sweep:
-        return _sweep(a)
     names = ["plain", f"chunked {a.chunk}"]
     memory = {}
     for name in names:

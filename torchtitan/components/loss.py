@@ -3,8 +3,8 @@
 The trainer divides the sum by the number of label tokens in the whole global batch, so gradient
 accumulation, data-parallel sharding and context-parallel sequence sharding all leave the loss unchanged.
 
-Chunked (`training.loss_chunk_size`; by default where `auto_chunks` says it pays): no float32 copy of the whole [tokens x vocab] logits, nor of their
-gradient, exists at once. The plain loss upcasts the whole logits to float32, keeps the float32 log-softmax
+Chunked (`training.loss_chunk_size`; by default where `auto_chunks` says it pays): no float32 copy of the
+whole [tokens x vocab] logits, nor of their gradient, exists at once. The plain loss upcasts the whole logits to float32, keeps the float32 log-softmax
 for backward and builds a float32 gradient before casting it back: at Llama 3's 128k vocabulary those
 tensors are the largest allocations of a step. Chunked, each chunk's float32 work happens inside the chunk
 only, and the gradient is written, chunk by chunk, in the logits' dtype into one buffer. Two ways to get a
@@ -113,8 +113,8 @@ def chunked_loss(chunk_loss: ChunkLoss, chunk_size: int) -> ChunkLoss:
 
 
 AUTO_CHUNK = 512
-"""Sequence positions per chunk of the default (auto) chunked loss: measured fastest of 256-2048 at Llama 3's
-vocabulary on CPU (docs/performance.md, "Chunked cross entropy")."""
+"""Sequence positions per chunk of the default (auto) chunked loss: the size the whole-step measurements in
+docs/performance.md ("Chunked cross entropy", "MFU at a 1B-shaped Llama slice") used."""
 AUTO_MIN_VOCAB = 32768
 """The smallest (local) vocabulary the default chunks: below it the logits are a small share of a step."""
 AUTO_MIN_POSITIONS = 2048

@@ -146,8 +146,9 @@ class Training:
     """Cross entropy over chunks of this many sequence positions (components/loss.py): no float32
     copy of the whole [tokens x vocabulary] logits, nor of their gradient, exists at once. -1 = auto:
     chunks of 512 where it was measured never slower (an eager loss on logits not sharded by TP's loss
-    parallel, with a local vocabulary of 32768 or more and 2048 or more positions), the plain loss elsewhere. training.seq_len = one
-    chunk (the plain loss, always). At most training.seq_len. See docs/performance.md."""
+    parallel, with a local vocabulary of 32768 or more and 2048 or more positions), the plain loss
+    elsewhere. training.seq_len = one chunk (the plain loss, always). At most training.seq_len. See
+    docs/performance.md."""
 
 
 @dataclass
