@@ -3,7 +3,8 @@
 `plan_job` is the one judge of whether a job can run. The launcher's pre-flight check (torchtitan/preflight.py)
 and the trainer both call it, so both give the same one-line answer, before any process group exists: the
 model and flavor, the tokenizer, the layout against the world size, the shapes each parallel degree splits
-(declared by the model args' `divisible_by`), the batch and sequence divisibility, compile, activation
+(declared by the model args' `divisible_by`), a Hugging Face folder to start from (its config against the model,
+its weights' shapes against its config), the batch and sequence divisibility, compile, activation
 checkpointing, the optimizer settings (Muon), the model converters (Float8) and the pipeline plan.
 """
 
@@ -14,7 +15,7 @@ import os
 import torch
 import torch.nn as nn
 
-from torchtitan.components.hf_folder import weight_files
+from torchtitan.components.hf_folder import check_weight_shapes, weight_shapes
 from torchtitan.components.muon import check_muon_config
 from torchtitan.components.quantization import ModelConverters, build_model_converters
 from torchtitan.config import JobConfig
@@ -54,9 +55,6 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
     """
     check_job_values(cfg)
     spec, tokenizer, model_args = resolve_model(cfg, tokenizer)
-    ckpt = cfg.checkpoint
-    if ckpt.initial_load_in_hf and ckpt.initial_load_path and os.path.isdir(ckpt.initial_load_path):
-        weight_files(ckpt.initial_load_path)  # a truncated file or an index naming a missing one: one line, now
     pd = parallel_dims_from_config(cfg.parallelism, world_size)
     pd.check_model(model_args.divisible_by())
     t = cfg.training
@@ -72,6 +70,7 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
 
     with torch.device("meta"):
         model = spec.model_cls(model_args)
+    _check_hf_initial_load(cfg, spec, model_args, model)
     # Cast on meta: init_weights then rebuilds derived fp32 buffers (e.g. the RoPE table) at full precision.
     model.to(precision.param)
     converters = build_model_converters(cfg, pd, torch.device(device_type))
@@ -84,6 +83,21 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
             raise LayoutError(f"model {cfg.model.name} does not support pipeline parallel")
         pipeline_plan = plan_model_pipeline(model, pd, cfg)
     return JobPlan(spec, tokenizer, model_args, pd, global_bs, accum, model, converters, pipeline_plan, precision)
+
+
+def _check_hf_initial_load(cfg: JobConfig, spec: TrainSpec, model_args: object, model: nn.Module) -> None:
+    """A Hugging Face folder to start from (--checkpoint.initial_load_in_hf), judged from its config.json and
+    its safetensors headers, before any rank reads a byte of it: complete files, a config describing the model
+    the job trains, and weights of the shapes that config implies."""
+    path = cfg.checkpoint.initial_load_path
+    if not (cfg.checkpoint.initial_load_in_hf and path and os.path.isdir(path)):
+        return
+    have = weight_shapes(path)  # a truncated file or an index naming a missing one: one line, now
+    adapter = spec.state_dict_adapter
+    if adapter is None or not os.path.isfile(os.path.join(path, "config.json")):
+        return  # the checkpoint manager refuses these in one line
+    adapter.check_hf_config(path, adapter.args_from_hf(path), model_args)
+    check_weight_shapes(path, adapter(model_args), {k: v.shape for k, v in model.state_dict().items()}, have)
 
 
 def _check_device_features(cfg: JobConfig, device_type: str) -> None:

@@ -102,7 +102,8 @@ def test_a_mismatched_rope_theta_is_refused_in_one_line(hf_model_and_folders, la
         load_hf_folder(folders[layout], Llama3StateDictAdapter, expected=flavor)
     assert str(e.value) == (
         f"Hugging Face config {folders[layout]}/config.json does not match the model: rope_theta 500000.0 in the "
-        f"folder vs 10000.0 in the model; pick the --model.flavor (and tokenizer) the folder was made for"
+        f"folder vs 10000.0 in the model; train the folder's own shape (--model.hf_config {folders[layout]}) or "
+        f"pick the --model.flavor (and tokenizer) the folder was made for"
     )
     # Generation and conversion report it as a checkpoint error, same line.
     with pytest.raises(CheckpointError, match="rope_theta 500000.0 in the folder vs 10000.0 in the model"):
@@ -121,3 +122,43 @@ def test_every_setting_is_compared(hf_model_and_folders):
     # RoPE scaling settings are named one by one (transformers 5.x nests them in rope_parameters)
     assert "rope_type llama3 in the folder vs default in the model" in message
     assert "factor 4.0 in the folder vs None in the model" in message
+
+
+def test_a_head_dim_other_than_hidden_over_heads_matches_transformers_both_ways(tmp_path):
+    """transformers' LlamaConfig lets head_dim differ from hidden_size / heads (here 4 heads of 24 on a width
+    of 64: the attention is 96 wide). HF -> ours: the folder's logits; ours -> HF: a model of ours with its
+    own random init, written and read back by transformers. 1e-5 of the logits' scale both ways."""
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=24, vocab_size=97, rms_norm_eps=1e-5, max_position_embeddings=64, tie_word_embeddings=False,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+    )
+    torch.manual_seed(0)
+    hf_model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0, 0.3)
+    hf_model.save_pretrained(tmp_path / "in")
+    state_dict, args = load_hf_folder(str(tmp_path / "in"), Llama3StateDictAdapter)
+    assert (args.head_dim, args.dim, args.n_heads) == (24, 64, 4)
+    model = Transformer(args)
+    model.init_weights(buffer_device=None)
+    model.load_state_dict(state_dict)
+    with torch.no_grad():
+        expected = hf_model(TOKENS).logits
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(model.eval()(TOKENS), expected, rtol=1e-5, atol=1e-5 * scale, msg="HF -> ours")
+
+    torch.manual_seed(1)
+    ours = Transformer(args)
+    ours.init_weights(buffer_device=None)
+    with torch.no_grad():  # weights transformers never saw, as sharp as the folder's
+        for name, p in ours.named_parameters():
+            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0, 0.3)
+    save_hf_folder(ours.state_dict(), Llama3StateDictAdapter, args, str(tmp_path / "out"), dtype=torch.float32)
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
+    assert back.config.head_dim == 24
+    with torch.no_grad():
+        mine = ours.eval()(TOKENS)
+        torch.testing.assert_close(back(TOKENS).logits, mine, rtol=1e-5, atol=1e-5 * mine.abs().max().item(),
+                                   msg="ours -> HF")

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers  # the test extra (pyproject.toml, scripts/ensure_env.sh)
 
-from torchtitan.config import ConfigManager
+from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.distributed.parallel_dims import LayoutError
 from torchtitan.job_plan import plan_job
 from torchtitan.models.qwen3 import Qwen3, qwen3_flavors
@@ -141,10 +141,12 @@ def test_tied_flavor_refuses_pipeline_parallel_before_any_rank_starts():
 
 def test_published_vocabulary_keeps_its_padded_rows():
     """Qwen pads 151,665 tokens to 151,936 rows (the published weights' shape); a job's smaller tokenizer keeps
-    them, a larger one grows the debug flavor's embedding."""
+    them, a larger one than the model's vocabulary is refused in one line (the rule of every family:
+    tests/unit/test_vocabulary.py)."""
     assert plan_job(_cfg("--model.flavor", "0.6B"), world_size=1).model_args.vocab_size == 151936
     small = dataclasses.replace(TINY, vocab_size=1000)
-    assert small.update_from_job(_cfg(), plan_job(_cfg(), world_size=1).tokenizer).vocab_size == 2048
+    with pytest.raises(ConfigError, match="has 2,048 tokens, more than the model's vocabulary of 1,000 rows"):
+        small.update_from_job(_cfg(), plan_job(_cfg(), world_size=1).tokenizer)
 
 
 def test_tensor_parallel_degree_must_divide_the_kv_heads():

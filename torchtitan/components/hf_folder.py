@@ -76,9 +76,10 @@ def weight_files(folder: str) -> dict[str, str]:
     return found
 
 
-def _check_complete(path: str) -> None:
-    """Refuses a safetensors file shorter than its header says (safetensors itself only notices when a
-    tensor in the missing part is read, with a bus error under mmap)."""
+def _check_complete(path: str) -> dict:
+    """A safetensors file's header (tensor name -> dtype, shape, offsets); refuses a file shorter than its
+    header says (safetensors itself only notices when a tensor in the missing part is read, with a bus error
+    under mmap)."""
     try:
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
@@ -91,6 +92,43 @@ def _check_complete(path: str) -> None:
         raise HFFolderError(
             f"{path} is truncated: its header describes {8 + n + end:,} bytes, the file has {size:,}; download it again"
         )
+    return header
+
+
+def weight_shapes(folder: str) -> dict[str, list[int]]:
+    """HF tensor name -> shape, from the safetensors headers alone (no tensor is read), checked as in
+    `weight_files`."""
+    shapes: dict[str, list[int]] = {}
+    for name in sorted(set(weight_files(folder).values())):
+        header = _check_complete(os.path.join(folder, name))
+        shapes.update({k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+    return shapes
+
+
+def check_weight_shapes(folder: str, adapter: StateDictAdapter, shapes: dict[str, torch.Size],
+                        have: dict[str, list[int]] | None = None) -> None:
+    """Every HF tensor that the model of `shapes` (our names -> global shapes) reads from `folder` is there
+    with the shape the model needs, judged from the headers (`have`: weight_shapes(folder), when read already).
+    Called once the folder's config.json matched the model (check_hf_config), so a difference here is a folder
+    whose weights and config.json disagree: one line naming the tensor, both shapes and the fix."""
+    have = weight_shapes(folder) if have is None else have
+    for key, shape in shapes.items():
+        layout = adapter.hf_layout(key, shape)
+        if layout is None:
+            continue
+        want = hf_shape(layout, shape)
+        for hf_key in layout.hf_keys:
+            if hf_key not in have:
+                raise HFFolderError(
+                    f"{folder} lacks the weight {hf_key} that its config.json implies: a checkpoint of another "
+                    f"model or an incomplete folder; point --checkpoint.initial_load_path at the folder it belongs to"
+                )
+            if have[hf_key] != want:
+                raise HFFolderError(
+                    f"{folder}: {hf_key} is {have[hf_key]} in its safetensors, {want} by its config.json (the "
+                    f"weights and config.json disagree); fix config.json, or point --checkpoint.initial_load_path "
+                    f"at the folder these weights came from"
+                )
 
 
 class SliceReader:
@@ -153,20 +191,8 @@ def load_hf_into(state_dict: dict[str, torch.Tensor], folder: str, adapter: Stat
     parts) in place from an HF folder, each rank reading only its boxes. Shapes are checked first, in one
     line naming the tensor."""
     reader = SliceReader(folder)
-    plans = []
-    for key, t in state_dict.items():
-        layout = adapter.hf_layout(key, t.shape)
-        if layout is None:
-            continue
-        want = hf_shape(layout, t.shape)
-        for hf_key in layout.hf_keys:
-            have = list(reader.shape(hf_key))
-            if have != want:
-                raise HFFolderError(
-                    f"{folder}: {hf_key} is {have} there, {want} in this model; the folder was written for another "
-                    f"shape (give --model.hf_config {folder})"
-                )
-        plans.append((key, t, layout))
+    check_weight_shapes(folder, adapter, {k: t.shape for k, t in state_dict.items()})
+    plans = [(key, t, layout) for key, t in state_dict.items() if (layout := adapter.hf_layout(key, t.shape))]
     with torch.no_grad():
         for key, t, layout in plans:
             local, offsets, sizes, _ = local_box(t)

@@ -25,6 +25,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 import torch.nn as nn
 
+from torchtitan.config import ConfigError
+
 
 @dataclasses.dataclass
 class ModelOutput:
@@ -117,9 +119,38 @@ class BaseModelArgs:
         return None
 
     def update_from_job(self, job_config: Any, tokenizer: Any) -> "BaseModelArgs":
-        """These args resized for a job: the tokenizer's vocabulary, and room for the recipe's seq_len."""
+        """These args for a job: the vocabulary checked against the tokenizer (`job_vocab_size`: kept, padded
+        rows included, or refused), and room for the recipe's seq_len. A family that overrides this calls it."""
         return dataclasses.replace(
             self,
-            vocab_size=tokenizer.vocab_size,
+            vocab_size=job_vocab_size(self.vocab_size, tokenizer.vocab_size, job_config.model),
             max_seq_len=max(self.max_seq_len, job_config.training.seq_len),
         )
+
+
+def shape_source(model_config: Any) -> str:
+    """Where a job's model shape comes from, for the log and for messages: the flavor or the Hugging Face
+    config (--model.hf_config replaces the flavor), then --model.overrides. `model_config` is JobConfig.model."""
+    source = (f"the Hugging Face config {model_config.hf_config}" if model_config.hf_config
+              else f"flavor {model_config.flavor}")
+    return source + (f" + overrides {','.join(model_config.overrides)}" if model_config.overrides else "")
+
+
+def job_vocab_size(model_vocab: int, tokenizer_vocab: int, model_config: Any) -> int:
+    """The one vocabulary rule of every family: the model keeps its own vocabulary (the flavor's, the HF
+    folder's or an override's) when the tokenizer fits in it. Published checkpoints pad their embedding past
+    the tokenizer (DeepSeek-V3: 128,815 tokens in 129,280 rows; Qwen3: 151,665 in 151,936; Llama derivatives:
+    a multiple of 64 or 128), and a flavor's output layer is part of the shape it stands for, so the padded
+    rows stay, and are loaded and saved like any other. The loss needs no mask for them: the labels are the
+    tokenizer's ids, never a padded one. A tokenizer larger than the vocabulary would produce ids that index no
+    embedding row: refused (ConfigError, one line naming both sizes and the options that fix it)."""
+    if tokenizer_vocab <= model_vocab:
+        return model_vocab
+    tokenizer = model_config.tokenizer_path or "the shipped tokenizer"
+    fix = (f"use the folder's own tokenizer (--model.tokenizer_path {model_config.hf_config})"
+           if model_config.hf_config else "use the tokenizer the flavor was made for (--model.tokenizer_path)")
+    raise ConfigError(
+        f"{tokenizer} has {tokenizer_vocab:,} tokens, more than the model's vocabulary of {model_vocab:,} rows "
+        f"({shape_source(model_config)}): its ids past {model_vocab - 1} would have no embedding row; {fix}, or "
+        f"give the model room for them with --model.overrides vocab_size={tokenizer_vocab}"
+    )

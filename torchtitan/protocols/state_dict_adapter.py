@@ -106,7 +106,8 @@ class StateDictAdapter(ABC):
         if diffs:
             raise HFConfigMismatch(
                 f"Hugging Face config {os.path.join(folder, 'config.json')} does not match the model: "
-                f"{'; '.join(diffs)}; pick the --model.flavor (and tokenizer) the folder was made for"
+                f"{'; '.join(diffs)}; train the folder's own shape (--model.hf_config {folder}) or pick the "
+                f"--model.flavor (and tokenizer) the folder was made for"
             )
 
 

@@ -1,6 +1,6 @@
 """Shape of a Qwen3 (dense) model: one dataclass, plus the FLOP count and the parallel checks derived from it."""
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from torchtitan.distributed.parallel_dims import LayoutError
@@ -46,11 +46,9 @@ class Qwen3ModelArgs(BaseModelArgs):
         return {"tp": {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads, "vocab_size": self.vocab_size}}
 
     def update_from_job(self, job_config: Any, tokenizer: Any) -> "Qwen3ModelArgs":
-        """These args resized for a job. The embedding keeps the flavor's rows when the tokenizer fits in them:
-        Qwen pads its 151,665 tokens to 151,936 rows, the shape of the published weights (and a multiple of 128,
-        which TP degrees divide); a larger tokenizer grows it. A tied flavor refuses pipeline parallel, which
-        would put the embedding (first stage) and the output projection (last stage), one matrix, on
-        different ranks."""
+        """These args resized for a job (BaseModelArgs: Qwen pads its 151,665 tokens to 151,936 rows, which the
+        vocabulary rule keeps). A tied flavor refuses pipeline parallel, which would put the embedding (first
+        stage) and the output projection (last stage), one matrix, on different ranks."""
         pp = job_config.parallelism.pipeline_parallel_degree
         if self.tie_embeddings and pp > 1:
             raise LayoutError(
@@ -58,5 +56,4 @@ class Qwen3ModelArgs(BaseModelArgs):
                 f"parallel would put on different stages (pipeline_parallel_degree {pp}); train it with FSDP/TP/CP "
                 f"instead, or pick an untied flavor (8B and up)"
             )
-        resized = super().update_from_job(job_config, tokenizer)
-        return replace(resized, vocab_size=max(self.vocab_size, tokenizer.vocab_size))
+        return super().update_from_job(job_config, tokenizer)

@@ -24,6 +24,9 @@ class TransformerModelArgs(BaseModelArgs):
     n_layers: int = 32
     n_heads: int = 32
     n_kv_heads: int | None = None  # None = n_heads (plain multi-head attention)
+    # Explicit head size (HF `head_dim`, which transformers' LlamaConfig lets differ from hidden_size / heads);
+    # None: dim // n_heads, Meta's recipe, recomputed when an override changes dim or n_heads.
+    attn_head_dim: int | None = None
     vocab_size: int = 128256
     multiple_of: int = 256  # the FFN hidden size is rounded up to a multiple of this
     ffn_dim_multiplier: float | None = None
@@ -41,7 +44,7 @@ class TransformerModelArgs(BaseModelArgs):
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.dim // self.n_heads if self.attn_head_dim is None else self.attn_head_dim
 
     @property
     def num_kv_heads(self) -> int:

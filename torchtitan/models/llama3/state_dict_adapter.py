@@ -189,11 +189,9 @@ def from_hf_config(config: dict, where: str = "config.json") -> TransformerModel
     produced it (multiple_of, ffn_dim_multiplier) is not recorded."""
     r = HFConfigReader(config, where, "Llama 3 (--model.name llama3)")
     dim, n_heads = int(r.req("hidden_size")), int(r.req("num_attention_heads"))
-    if dim % n_heads or r.opt("head_dim", dim // n_heads) != dim // n_heads:
-        raise UnsupportedHFConfig(
-            f"{where}: head_dim {r.opt('head_dim')} != hidden_size / num_attention_heads ({dim}/{n_heads}): "
-            f"this Llama derives the head size from them"
-        )
+    head_dim = int(r.opt("head_dim", dim // n_heads))  # transformers' default, also when heads do not divide dim
+    if head_dim % 2:
+        raise UnsupportedHFConfig(f"{where}: head_dim {head_dim} is odd: RoPE rotates pairs of dimensions")
     r.expect("hidden_act", "silu", "silu")
     r.expect("attention_bias", False, False)
     r.expect("mlp_bias", False, False)
@@ -204,6 +202,7 @@ def from_hf_config(config: dict, where: str = "config.json") -> TransformerModel
         n_layers=int(r.req("num_hidden_layers")),
         n_heads=n_heads,
         n_kv_heads=int(r.opt("num_key_value_heads", n_heads)),
+        attn_head_dim=None if head_dim == dim // n_heads else head_dim,
         vocab_size=int(r.req("vocab_size")),
         ffn_hidden_dim=int(r.req("intermediate_size")),
         norm_eps=float(r.opt("rms_norm_eps", 1e-6)),
