@@ -37,7 +37,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.context_parallel import shard_batch
 from torchtitan.errors import TrainingError
 from torchtitan.job_plan import plan_job
-from torchtitan.protocols.model_shape import pin_model_shape
+from torchtitan.protocols.model_shape import model_summary, pin_model_shape
 from torchtitan.protocols.model import ModelOutput, as_model_output, split_inputs
 from torchtitan.tools import cpu_malloc, fault_injection, stragglers
 from torchtitan.tools.device_peak import peak_flops
@@ -70,6 +70,7 @@ class Trainer:
         # ---- what to train (checked before anything is built) --------------------------------------------
         plan = plan_job(cfg, self.world_size)
         self.spec, self.tokenizer, self.model_args = plan.spec, plan.tokenizer, plan.model_args
+        model_line = model_summary(cfg, self.model_args, self.tokenizer)  # before pinning rewrites the source
         pin_model_shape(cfg, self.model_args)  # checkpoints' config.toml rebuild this shape without hf_config
         self.parallel_dims, self.global_batch_size, self.grad_accum = (
             plan.parallel_dims, plan.global_batch_size, plan.grad_accum
@@ -97,7 +98,7 @@ class Trainer:
         self.num_params, non_embedding = count_params(model)
         self.flops_per_token = self.model_args.flops_per_token(non_embedding, cfg.training.seq_len)
         logger.info(
-            f"Model {cfg.model.name} {cfg.model.flavor}: {self.num_params:,} parameters "
+            f"{model_line}: {self.num_params:,} parameters "
             f"({non_embedding:,} non-embedding), {self.flops_per_token / 1e9:.3f} GFLOP/token (train)"
         )
         self.loss_fn = self.spec.build_loss_fn(cfg)

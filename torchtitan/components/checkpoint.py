@@ -163,7 +163,8 @@ def has_checkpoint(cfg: JobConfig) -> bool:
 
 def check_shapes(source: str, saved: dict[str, torch.Size], expected: dict[str, torch.Size], *, exact: bool) -> None:
     """One clear line when a checkpoint does not fit the model (`exact`: it may not hold extra weights)."""
-    hint = "check --model.name, --model.flavor and the tokenizer (its vocabulary sets the embedding size)"
+    hint = ("check --model.name, --model.flavor and --model.overrides (a run from before a flavor kept its own "
+            "vocabulary trained the tokenizer's: --model.overrides vocab_size=N)")
     for key in sorted(set(expected) & set(saved)):
         if tuple(saved[key]) != tuple(expected[key]):
             raise CheckpointError(

@@ -17,6 +17,7 @@ from typing import Any
 
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.protocols.hf_config import read_config_file
+from torchtitan.protocols.model import shape_source
 from torchtitan.protocols.train_spec import TrainSpec, _registered, get_flavor, get_train_spec
 
 
@@ -142,3 +143,12 @@ def resolve_model(cfg: JobConfig, tokenizer: object | None = None) -> tuple[Trai
     spec = get_train_spec(cfg.model.name)
     tokenizer = tokenizer if tokenizer is not None else spec.build_tokenizer_fn(cfg)
     return spec, tokenizer, base_model_args(spec, cfg).update_from_job(cfg, tokenizer)
+
+
+def model_summary(cfg: JobConfig, args: Any, tokenizer: Any) -> str:
+    """The log's name of the model a job trains: the family, where its shape comes from (the flavor, or the
+    HF config, with the overrides) and, when they differ, its vocabulary against the tokenizer's, e.g.
+    `Model llama3 (flavor 8B + overrides n_layers=2; vocabulary 128,256 rows for 2,048 tokens)`."""
+    padded = (f"; vocabulary {args.vocab_size:,} rows for {tokenizer.vocab_size:,} tokens"
+              if args.vocab_size != tokenizer.vocab_size else "")
+    return f"Model {cfg.model.name} ({shape_source(cfg.model)}{padded})"
