@@ -17,8 +17,9 @@ if [ -z "${NGPU:-}" ]; then
 fi
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-0}
 
+# --help after any arguments (and the recipe) shows the options they select, e.g. --model.name qwen3_moe brings [moe].
 for a in "$@"; do
-    case "$a" in -h|--help) exec "$PYTHON" -m torchtitan.train --help ;; esac
+    case "$a" in -h|--help) exec "$PYTHON" -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@" ;; esac
 done
 
 # Check the recipe and the layout before starting ranks: a bad option gets one line, not a rank failure

@@ -27,7 +27,32 @@ def bad(tmp_path_factory):
     (root / "empty.jsonl").write_text("")
     (root / "broken.jsonl").write_text('{"text": "fine"}\n{"text": broken\n{"text": "fine"}\n')
     (root / "a_file").write_text("x")
+    _llama_folder(root / "vocab2000", config_vocab=2000, weights_vocab=None)  # config.json only
+    _llama_folder(root / "mismatch", config_vocab=2085, weights_vocab=2048)  # weights of another vocabulary
     return root
+
+
+def _llama_folder(folder, config_vocab: int, weights_vocab: int | None) -> None:
+    """An HF Llama folder of the tiny shape whose config.json says `config_vocab` rows and whose weights (zeros,
+    only their shapes matter) have `weights_vocab`."""
+    import dataclasses
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from torchtitan.models.llama3 import llama3_flavors
+    from torchtitan.models.llama3.model import Transformer
+    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+    folder.mkdir()
+    args = dataclasses.replace(llama3_flavors["debugmodel_tiny"], vocab_size=config_vocab)
+    (folder / "config.json").write_text(json.dumps(Llama3StateDictAdapter.to_hf_config(args, torch.float32)))
+    if weights_vocab is not None:
+        with torch.device("meta"):
+            model = Transformer(dataclasses.replace(args, vocab_size=weights_vocab))
+        hf = Llama3StateDictAdapter(args).to_hf({k: torch.zeros(v.shape) for k, v in model.state_dict().items()})
+        save_file(hf, str(folder / "model.safetensors"))
 
 
 def assert_one_clean_line(p, message):
@@ -45,6 +70,12 @@ PREFLIGHT_CASES = [  # (args, processes, message)
      "local dataset file {bad}/empty.jsonl is empty"),
     (["--job.dump_folder", "{bad}/a_file/run"], 2, "{bad}/a_file is a file, not a folder"),
     (["--training.steps", "-5"], 2, "--training.steps must be at least 1, got -5"),
+    (["--model.hf_config", "{bad}/vocab2000"], 1,
+     "the shipped tokenizer has 2,048 tokens, more than the model's vocabulary of 2,000 rows (the Hugging Face config "
+     "{bad}/vocab2000)"),
+    (["--model.hf_config", "{bad}/mismatch", "--checkpoint.enable", "--checkpoint.initial_load_path", "{bad}/mismatch",
+      "--checkpoint.initial_load_in_hf"], 2,
+     "{bad}/mismatch: model.embed_tokens.weight is [2048, 64] in its safetensors, [2085, 64] by its config.json"),
 ]
 
 
@@ -87,3 +118,11 @@ def test_a_real_crash_keeps_torchruns_report():
     assert p.returncode != 0, out
     assert "ChildFailedError" in p.stderr and "Root Cause" in p.stderr and "exitcode  : 1" in p.stderr, out
     assert "RuntimeError: boom" in out, out
+
+
+def test_an_expert_parallel_recipe_on_one_process_says_how_to_run_it(tmp_path):
+    p = run(["--job.dump_folder", str(tmp_path / "run")], ngpu=1, env_extra={"CONFIG_FILE": "train_configs/debug_moe.toml"},
+            timeout=300)
+    assert_one_clean_line(p, "to keep expert_parallel_degree 2, run a multiple of 2 processes (NGPU=2 ./run_train.sh), "
+                             "or set --parallelism.expert_parallel_degree 1 (no expert parallel) for 1 process")
+    assert "Starting job" not in p.stdout

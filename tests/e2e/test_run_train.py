@@ -67,3 +67,12 @@ def test_help_lists_options():
     p = run(["--help"], timeout=120)
     assert p.returncode == 0
     assert "--training.mixed_precision_param" in p.stdout and "--parallelism.data_parallel_shard_degree" in p.stdout
+    assert "[moe]" not in p.stdout  # the default recipe's llama3 brings no section of its own
+
+
+@pytest.mark.parametrize("args, recipe", [(["--model.name", "qwen3_moe"], None), ([], "train_configs/debug_moe.toml")],
+                         ids=["model_name_before_help", "moe_recipe"])
+def test_help_shows_the_sections_the_arguments_and_recipe_select(args, recipe):
+    p = run([*args, "--help"], env_extra={"CONFIG_FILE": recipe} if recipe else None, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "\n[moe]\n" in p.stdout and "--moe.load_balance_coeff" in p.stdout

@@ -59,6 +59,7 @@ class ParallelDims:
         for name, key in keys.items():
             if getattr(self, name) < 1:
                 raise LayoutError(f"--parallelism.{key} {getattr(self, name)} must be >= 1")
+        shard_auto = self.dp_shard in (-1, 0)  # the world decides dp_shard, so more ranks can fit a degree
         if self.dp_shard == -1 or self.dp_shard == 0:
             others = self.dp_replicate * self.cp * self.tp * self.pp
             if self.world_size % others:
@@ -84,8 +85,19 @@ class ParallelDims:
             raise LayoutError(
                 f"expert_parallel_degree {self.ep} must divide data_parallel_shard x context_parallel x "
                 f"tensor_parallel = {token_ranks} and be a multiple of context_parallel x tensor_parallel = "
-                f"{self.cp * self.tp}; degrees that fit: {fits}"
+                f"{self.cp * self.tp}; degrees that fit: {fits}" + self._ep_world_hint(shard_auto)
             )
+
+    def _ep_world_hint(self, shard_auto: bool) -> str:
+        """What to do when the world is what is too small for the expert-parallel degree (e.g. an EP 2 recipe
+        started on one process): the world size that fits it, and how to turn EP off."""
+        if not shard_auto or self.ep % (self.cp * self.tp):
+            return ""
+        world = self.ep * self.pp * self.dp_replicate  # the smallest whose dp_shard x cp x tp ep divides
+        return (f"; to keep expert_parallel_degree {self.ep}, run a multiple of {world} processes "
+                f"(NGPU={world} ./run_train.sh), "
+                f"or set --parallelism.expert_parallel_degree 1 (no expert parallel) for {self.world_size} "
+                f"process{'es' if self.world_size > 1 else ''}")
 
     # ---- derived degrees -------------------------------------------------------------------------------
     @property
