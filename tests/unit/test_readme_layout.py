@@ -1,0 +1,71 @@
+"""The README's "Layout" section is true to the tree: every folder and .py file it names exists where it says,
+and every folder of the repository root, of torchtitan/, of torchtitan/models/ and of tests/ is named there (a
+new model family or package joins the README when it joins the tree)."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FOLDER = re.compile(r"(?<![\w./])([a-z_0-9]+)/(?!\w)")  # `common/`, not the `models` of `models/common`
+PY_FILE = re.compile(r"(?<![\w./])([a-z_0-9]+\.py)\b")
+ENTRY = re.compile(r"([\w.]+/?(?:, [\w.]+/?)*)\s*(.*)")  # `dry_run.py, plan.py entry points: ...`
+FULLY_LISTED = ("torchtitan/models/", "tests/")  # folders whose description names every subfolder
+
+
+def layout_entries(readme: str) -> dict[str, str]:
+    """Each path the README's layout block names (`torchtitan/job_plan.py`, `torchtitan/models/`) -> its
+    description, continuation lines joined."""
+    block = readme.split("\n## Layout\n", 1)[1].split("```", 2)[1].splitlines()[1:]
+    entries: dict[str, str] = {}
+    parent, current = "", []
+    for line in block:
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        if indent > 2:  # a continuation of the entry above
+            for path in current:
+                entries[path] += " " + line.strip()
+            continue
+        names, text = ENTRY.match(line.strip()).groups()
+        if indent == 0:
+            parent = names if names.endswith("/") else ""
+        current = [("" if indent == 0 else parent) + name.strip() for name in names.split(",")]
+        entries.update({path: text.strip() for path in current})
+    return entries
+
+
+def _subfolders(path: Path) -> set[str]:
+    return {p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
+
+
+def layout_problems(readme: str) -> list[str]:
+    entries = layout_entries(readme)
+    problems = [f"{path} does not exist" for path in entries if not (ROOT / path).exists()]
+    for path, text in entries.items():
+        if path.endswith("/") and (ROOT / path).is_dir():  # what a folder's description names lives in it
+            problems += [f"{path}{sub}/ does not exist" for sub in FOLDER.findall(text) if not (ROOT / path / sub).is_dir()]
+            problems += [f"{path}{f} does not exist" for f in PY_FILE.findall(text) if not (ROOT / path / f).is_file()]
+    top = {p.rstrip("/") for p in entries if p.count("/") == 1 and p.endswith("/")}
+    problems += [f"{name}/ is not in the layout" for name in sorted(_subfolders(ROOT) - top)]
+    package = {p.split("/")[1] for p in entries if p.startswith("torchtitan/") and p.count("/") == 2 and p.endswith("/")}
+    problems += [f"torchtitan/{name}/ is not in the layout" for name in sorted(_subfolders(ROOT / "torchtitan") - package)]
+    for folder in FULLY_LISTED:
+        named = set(FOLDER.findall(entries.get(folder, "")))
+        problems += [f"{folder}{name}/ is not in the layout" for name in sorted(_subfolders(ROOT / folder) - named)]
+    return problems
+
+
+def test_the_readme_layout_matches_the_tree():
+    readme = (ROOT / "README.md").read_text()
+    assert len(layout_entries(readme)) > 20  # the block was found and read
+    assert layout_problems(readme) == []
+
+
+def test_a_stale_layout_is_caught():
+    """Negative control: the models line as it was before models/common/ (models/attention.py, no common/)."""
+    readme = (ROOT / "README.md").read_text()
+    stale = re.sub(r"\n  models/ .*?\n(?=  \w)", "\n  models/             attention.py; llama3/, qwen3/, qwen3_moe/, "
+                   "deepseek_v3/\n", readme, count=1, flags=re.S)
+    assert layout_problems(stale) == [
+        "torchtitan/models/attention.py does not exist", "torchtitan/models/common/ is not in the layout"
+    ]
