@@ -34,7 +34,8 @@ class Model:
     tokenizer_path: str | None = None
     """Tokenizer file or folder: a tiktoken BPE file (Llama 3 format), a sentencepiece `.model`, a Hugging Face
     `tokenizer.json`, or a folder holding one of them. None uses the tokenizer shipped with the project (trained
-    on the shipped stdlib_docs corpus)."""
+    on the shipped stdlib_docs corpus). The model keeps its own vocabulary (flavor, hf_config, overrides) when the
+    tokenizer fits in it, padded rows included; a larger tokenizer is refused."""
 
     converters: list[str] = field(default_factory=list)
     """Model converters applied after building on the meta device, in order, e.g. ["float8"]."""
