@@ -20,6 +20,7 @@ must divide, and how a job's settings (tokenizer vocabulary, sequence length) re
 import contextlib
 import contextvars
 import dataclasses
+import os
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -147,7 +148,9 @@ def job_vocab_size(model_vocab: int, tokenizer_vocab: int, model_config: Any) ->
     if tokenizer_vocab <= model_vocab:
         return model_vocab
     tokenizer = model_config.tokenizer_path or "the shipped tokenizer"
-    fix = (f"use the folder's own tokenizer (--model.tokenizer_path {model_config.hf_config})"
+    hf = model_config.hf_config or ""
+    folder = (os.path.dirname(hf) or ".") if hf.endswith(".json") else hf  # --model.hf_config may name the file
+    fix = (f"use the folder's own tokenizer (--model.tokenizer_path {folder})"
            if model_config.hf_config else "use the tokenizer the flavor was made for (--model.tokenizer_path)")
     raise ConfigError(
         f"{tokenizer} has {tokenizer_vocab:,} tokens, more than the model's vocabulary of {model_vocab:,} rows "
