@@ -14,7 +14,7 @@ A model:
   auxiliary losses or metrics to report.
 
 Its args (a dataclass deriving from `BaseModelArgs`) own the FLOP count, the fields a parallel degree
-must divide, and how a job's settings (tokenizer vocabulary, sequence length) resize them.
+must divide, and how a job's settings (the tokenizer, the sequence length) check and resize them.
 """
 
 import contextlib
