@@ -129,3 +129,27 @@ def test_main_weights_initialise_the_same_with_or_without_mtp(depth):
     ours = with_mtp.state_dict()
     for key, t in plain.state_dict().items():
         torch.testing.assert_close(ours[key], t, rtol=0, atol=0)
+
+
+BAD = {
+    "MTP depth on a family without it": (
+        1, ["--model.name", "llama3", "--model.flavor", "debugmodel_tiny4", "--model.overrides", "mtp_depth=1"],
+        "model llama3 has no mtp_depth (an option of deepseek_v3)"),
+    "MTP under tensor parallel": (
+        2, ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_tiny", "--model.overrides", "mtp_depth=1",
+            "--parallelism.tensor_parallel_degree", "2"], "runs with FSDP and pipeline parallel only"),
+    "negative depth": (
+        1, ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_tiny", "--model.overrides", "mtp_depth=-1"],
+        "the depth must be >= 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_mtp_settings_are_refused_in_one_line_before_any_rank_starts(case, capsys):
+    from torchtitan import preflight
+
+    world, argv, says = BAD[case]
+    assert preflight.main(["--world-size", str(world), "--training.seq_len", "32", "--training.local_batch_size",
+                           "4", "--training.mixed_precision_param", "float32"] + argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and says in err, err

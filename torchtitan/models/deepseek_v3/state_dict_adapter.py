@@ -9,10 +9,15 @@ Multi-token prediction: the checkpoint stores MTP depth k as layer num_hidden_la
 `num_nextn_predict_layers` is our mtp_depth): a decoder layer's weights plus `enorm`, `hnorm`, `eh_proj`,
 `shared_head.norm`, and copies of the shared embedding (`embed_tokens`) and output head
 (`shared_head.head`). Ours are `mtp.depths.{k-1}.*`; the copies are written from our one embedding and
-output (HFLayout.copies) and not read back. A job with mtp_depth 0 skips a folder's MTP layers.
+output (HFLayout.copies) and not read back. A job with mtp_depth 0 skips a folder's MTP layers. A folder
+whose config counts MTP layers its weights lack (transformers' save_pretrained drops them; its config
+default is 1) reads as mtp_depth 0.
 """
 
+import dataclasses
+import json
 import math
+import os
 import re
 
 import torch
@@ -86,6 +91,18 @@ class DeepSeekV3StateDictAdapter(StateDictAdapter):
     def from_hf_config(config: dict, where: str = "config.json") -> DeepSeekV3ModelArgs:
         return from_hf_config(config, where)
 
+    @classmethod
+    def args_from_hf(cls, folder: str) -> DeepSeekV3ModelArgs:
+        """The config's args, with mtp_depth the number of MTP layers the folder's weights hold."""
+        args = super().args_from_hf(folder)
+        keys = _stored_keys(folder) if args.mtp_depth else None
+        if keys is None:
+            return args
+        held = 0
+        while held < args.mtp_depth and f"model.layers.{args.n_layers + held}.eh_proj.weight" in keys:
+            held += 1
+        return dataclasses.replace(args, mtp_depth=held)
+
     def _mtp_layers(self) -> range:
         return range(self.args.n_layers, self.args.n_layers + self.args.mtp_depth)
 
@@ -143,6 +160,23 @@ class DeepSeekV3StateDictAdapter(StateDictAdapter):
             elif not key.endswith("rotary_emb.inv_freq"):
                 raise KeyError(f"unsupported Hugging Face weight {key!r}")
         return ours
+
+
+def _stored_keys(folder: str) -> set[str] | None:
+    """The tensor names of an HF folder's weights (from its index, else its single file's header); None
+    when the path holds no weights (a config.json alone)."""
+    from safetensors import safe_open
+
+    from torchtitan.components.hf_folder import INDEX, SINGLE
+
+    index, single = os.path.join(folder, INDEX), os.path.join(folder, SINGLE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            return set(json.load(f).get("weight_map", {}))
+    if os.path.isfile(single):
+        with safe_open(single, framework="pt") as f:
+            return set(f.keys())
+    return None
 
 
 def _ours_layer(i: int, n_layers: int, rest: str) -> str:
