@@ -153,3 +153,13 @@ def test_bad_mtp_settings_are_refused_in_one_line_before_any_rank_starts(case, c
                            "4", "--training.mixed_precision_param", "float32"] + argv) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and says in err, err
+
+
+def test_generation_reads_the_main_logits_only():
+    """scripts/generate.py's sampler gives the same tokens with the MTP module as without it."""
+    from torchtitan.tools.generation import generate
+
+    plain = _model(dataclasses.replace(ARGS, mtp_depth=0), perturb_norms=False)
+    with_mtp = _model(ARGS, perturb_norms=False)
+    runs = [generate(m, [1, 2, 3], max_new_tokens=4, max_seq_len=16) for m in (plain, with_mtp)]
+    assert runs[0] == runs[1] and len(runs[0]) == 4
