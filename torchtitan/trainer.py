@@ -22,9 +22,11 @@ from torchtitan.components import checkpoint as ckpt
 from torchtitan.components.loss import (
     IGNORE_INDEX,
     loss_value,
+    mtp_metrics,
     per_source_loss_sums,
     per_source_metrics,
     pop_source_ids,
+    token_and_mtp_loss,
 )
 from torchtitan.components.metrics import MetricsLogger, throughput_metrics
 from torchtitan.components.replica_check import ReplicaCheck
@@ -38,7 +40,7 @@ from torchtitan.distributed.context_parallel import shard_batch
 from torchtitan.errors import TrainingError
 from torchtitan.job_plan import plan_job
 from torchtitan.protocols.model_shape import model_summary, pin_model_shape
-from torchtitan.protocols.model import ModelOutput, as_model_output, split_inputs
+from torchtitan.protocols.model import ModelOutput, as_model_output, mtp_settings, split_inputs
 from torchtitan.tools import cpu_malloc, fault_injection, stragglers
 from torchtitan.tools.device_peak import peak_flops
 from torchtitan.tools.logging import init_logger, logger
@@ -102,6 +104,7 @@ class Trainer:
             f"({non_embedding:,} non-embedding), {self.flops_per_token / 1e9:.3f} GFLOP/token (train)"
         )
         self.loss_fn = self.spec.build_loss_fn(cfg)
+        self.mtp_weight = mtp_settings(model)[1]  # multi-token prediction's lambda (0 without it)
         self.pipeline = None
         if pd.pp_enabled:
             self.pipeline = self.spec.pipelining_fn(model, pd, cfg, self.device, self.spec.parallelize_fn, self.loss_fn)
@@ -237,6 +240,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         model_metrics: dict[str, torch.Tensor] = {}
         self._source_sums = None  # a mixture's [2, sources] loss sums and token counts
+        self._mtp_sums = None  # multi-token prediction's [2, depths] loss sums and token counts
         for i, (inputs, labels) in enumerate(microbatches):
             inputs, source_ids = pop_source_ids(inputs)
             last = i == len(microbatches) - 1
@@ -245,12 +249,17 @@ class Trainer:
                     m.set_requires_gradient_sync(last)  # FSDP: reduce-scatter once, on the last microbatch
             with self.autocast, self._loss_context():
                 if self.pipeline is not None:  # forward+backward
-                    loss, sums = self.pipeline.step(inputs, labels, global_tokens, source_ids, len(self.source_names))
+                    loss, sums, mtp_sums = self.pipeline.step(
+                        inputs, labels, global_tokens, source_ids, len(self.source_names)
+                    )
                     loss_sum += loss
                     self._add_source_sums(sums)
+                    self._mtp_sums = _add(self._mtp_sums, mtp_sums)
                     continue
                 out = self._forward(inputs)
-                token_loss = self.loss_fn(out.logits, labels)
+                token_loss, mtp_sums = token_and_mtp_loss(self.loss_fn, out.logits, out.mtp_logits, labels,
+                                                          self.mtp_weight)
+                self._mtp_sums = _add(self._mtp_sums, mtp_sums)
                 if out.aux_loss is not None:
                     token_loss = token_loss + out.aux_loss
                 loss = token_loss / global_tokens
@@ -429,6 +438,8 @@ class Trainer:
                         sums = self._reduce_over(self._source_sums, "dp_cp")
                         metrics.update(per_source_metrics(sums, self.source_names))
                         metrics.update(self.dataloader.dataset.tokens_seen())  # the same on every rank
+                    if self._mtp_sums is not None:  # loss/mtp_k over every rank's tokens of the step
+                        metrics.update(mtp_metrics(self._reduce_over(self._mtp_sums, "dp_cp")))
                     self.metrics.log(step, metrics)
                     window_start, window_tokens, data_time = time.perf_counter(), 0, 0.0
                     self.memory.reset_peak_stats()
@@ -470,6 +481,10 @@ class Trainer:
         self.metrics.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _add(total: torch.Tensor | None, x: torch.Tensor | None) -> torch.Tensor | None:
+    return x if total is None else total if x is None else total + x
 
 
 def _to_device(batch, device: torch.device):

@@ -87,3 +87,71 @@ def test_fp8_checkpoint_refused_in_one_line():
     with pytest.raises(ValueError, match="dequantise"):
         DeepSeekV3StateDictAdapter(ARGS).from_hf({"model.layers.0.mlp.gate_proj.weight_scale_inv": torch.ones(1)})
     assert "\n" not in FP8_MESSAGE
+
+
+def _write_hf_folder_with_mtp(folder: str, args: DeepSeekV3ModelArgs) -> None:
+    """A random transformers DeepseekV3 folder (num_nextn_predict_layers = args.mtp_depth) plus, as the
+    published checkpoints carry it, the MTP layer(s) numbered after the main ones: a decoder layer's weights
+    (taken from a deeper random transformers model), enorm, hnorm, eh_proj, shared_head.norm, and copies of
+    the embedding and output head."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    config = {k: v for k, v in DeepSeekV3StateDictAdapter.to_hf_config(args, torch.float32).items()
+              if k not in ("architectures", "model_type", "torch_dtype")}
+    torch.manual_seed(2)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**config))
+    hf.save_pretrained(folder)
+    deeper = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **{**config, "num_hidden_layers": args.n_layers + args.mtp_depth}))
+    deeper.save_pretrained(f"{folder}/deeper")  # the per-expert names of a published checkpoint
+    deeper_tensors = load_file(f"{folder}/deeper/model.safetensors")
+    shutil.rmtree(f"{folder}/deeper")
+    tensors = load_file(f"{folder}/model.safetensors")
+    for i in range(args.n_layers, args.n_layers + args.mtp_depth):
+        prefix = f"model.layers.{i}."
+        tensors.update({k: v for k, v in deeper_tensors.items() if k.startswith(prefix)})
+        tensors[prefix + "mlp.gate.e_score_correction_bias"] = torch.randn(args.moe.num_experts) * 0.1
+        for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+            tensors[prefix + name] = 1 + 0.1 * torch.randn(args.dim)
+        tensors[prefix + "eh_proj.weight"] = torch.randn(args.dim, 2 * args.dim) * 0.02
+        tensors[prefix + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[prefix + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, f"{folder}/model.safetensors", metadata={"format": "pt"})
+
+
+def test_mtp_layer_loads_and_saves_back_bit_exact(tmp_path):
+    """A DeepSeek-V3 folder with an MTP layer: every tensor reaches our model (one process, and each rank's
+    slices through load_hf_into as the checkpoint manager reads them), and writing ours gives the same
+    tensors back, bit for bit, under the same names."""
+    from safetensors.torch import load_file
+
+    from torchtitan.components.hf_folder import load_hf_into
+
+    args = dataclasses.replace(ARGS, mtp_depth=1)
+    src, out = tmp_path / "src", tmp_path / "out"
+    _write_hf_folder_with_mtp(str(src), args)
+    state, loaded_args = load_hf_folder(str(src), DeepSeekV3StateDictAdapter)
+    assert loaded_args == args  # num_nextn_predict_layers -> mtp_depth
+    model = DeepSeekV3Model(args)
+    model.load_state_dict(state, strict=True)
+    sliced = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    load_hf_into(sliced, str(src), DeepSeekV3StateDictAdapter(args))
+    for key, t in model.state_dict().items():
+        assert torch.equal(sliced[key], t), key
+    save_hf_folder(model.state_dict(), DeepSeekV3StateDictAdapter, args, str(out), dtype=torch.float32)
+    theirs, ours = load_file(f"{src}/model.safetensors"), load_file(f"{out}/model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    assert any(k.startswith(f"model.layers.{args.n_layers}.") for k in ours)
+    for key, t in theirs.items():
+        assert torch.equal(ours[key], t), key
+    import json
+
+    assert json.load(open(out / "config.json"))["num_nextn_predict_layers"] == 1
+    # a job without MTP (mtp_depth 0) accepts the folder and reads its main model, skipping the MTP layer
+    DeepSeekV3StateDictAdapter.check_hf_config(str(src), loaded_args, ARGS)
+    main_only = {k: torch.zeros_like(v) for k, v in DeepSeekV3Model(ARGS).state_dict().items()}
+    load_hf_into(main_only, str(src), DeepSeekV3StateDictAdapter(ARGS))
+    for key, t in main_only.items():
+        assert torch.equal(state[key], t), key

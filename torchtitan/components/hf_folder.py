@@ -295,6 +295,8 @@ def hf_chunks(adapter: StateDictAdapter, key: str, t: torch.Tensor) -> Iterator[
         yield layout.hf_keys[0], layout.to_hf_rows(local), offsets
     else:
         yield layout.hf_keys[0], local, offsets
+        for hf_key in layout.copies:  # its own storage: safetensors refuses tensors sharing memory
+            yield hf_key, local.clone(), offsets
 
 
 def _blocks_whole(t: DTensor, block: int) -> bool:
@@ -363,7 +365,7 @@ def model_hf_shapes(adapter: StateDictAdapter, state_dict: dict[str, torch.Tenso
     for key, t in state_dict.items():
         layout = adapter.hf_layout(key, t.shape)
         if layout is not None:
-            shapes.update({k: hf_shape(layout, t.shape) for k in layout.hf_keys})
+            shapes.update({k: hf_shape(layout, t.shape) for k in (*layout.hf_keys, *layout.copies)})
     if dist.is_initialized():
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, shapes)

@@ -47,6 +47,44 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 ChunkLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def mtp_labels(labels: torch.Tensor, k: int) -> torch.Tensor:
+    """The targets of multi-token prediction depth k: position i's is the label k positions later
+    (t_{i+k+1}); the last k positions have none (IGNORE_INDEX)."""
+    if k == 0:
+        return labels
+    pad = labels.new_full((labels.shape[0], min(k, labels.shape[1])), IGNORE_INDEX)
+    return torch.cat((labels[:, k:], pad), dim=1)
+
+
+def token_and_mtp_loss(
+    loss_fn: Callable, logits: torch.Tensor, mtp_logits, labels: torch.Tensor, mtp_weight: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the summed token loss plus mtp_weight / D * the sum over depths of each depth's summed token loss,
+    [2, D] float32 per-depth summed losses and trained-token counts (detached; None without depths)).
+
+    `mtp_logits` are the logits of multi-token prediction depths 1..D (models/common/mtp.py), trained on
+    the labels shifted by k (`mtp_labels`) with the same loss function as the main logits. Divided by the
+    main loss's token count T like the rest, this is DeepSeek-V3's lambda/D * sum_k L^k_MTP with
+    L^k_MTP = -1/T sum_i log P^k_i."""
+    total = loss_fn(logits, labels)
+    if not mtp_logits:
+        return total, None
+    sums = torch.zeros(2, len(mtp_logits), device=labels.device)
+    depth_losses = []
+    for k, depth_logits in enumerate(mtp_logits, start=1):
+        target = mtp_labels(labels, k)
+        depth_losses.append(loss_fn(depth_logits, target))
+        sums[0, k - 1] = loss_value(depth_losses[-1]).float()
+        sums[1, k - 1] = (target != IGNORE_INDEX).sum()
+    return total + mtp_weight / len(mtp_logits) * sum(depth_losses), sums
+
+
+def mtp_metrics(sums: torch.Tensor) -> dict[str, float]:
+    """loss/mtp_k: depth k's mean token loss over its trained tokens (sums as token_and_mtp_loss returns,
+    summed over microbatches and ranks)."""
+    return {f"loss/mtp_{k}": (sums[0, k - 1] / sums[1, k - 1].clamp_min(1)).item() for k in range(1, sums.shape[1] + 1)}
+
+
 def chunk_bounds(seq_len: int, chunk_size: int) -> list[tuple[int, int]]:
     """[start, end) of each chunk of a sequence of `seq_len` positions (the last one may be shorter)."""
     return [(s, min(s + chunk_size, seq_len)) for s in range(0, seq_len, chunk_size)]

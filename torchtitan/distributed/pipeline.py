@@ -41,10 +41,10 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
-from torchtitan.components.loss import loss_value, per_source_loss_sums
+from torchtitan.components.loss import loss_value, per_source_loss_sums, token_and_mtp_loss
 from torchtitan.distributed.parallel_dims import LayoutError
 from torchtitan.distributed.balance import InfeasibleSplit, balanced_split, module_flops
-from torchtitan.protocols.model import is_shape_only_forward, shape_only_forward, split_inputs
+from torchtitan.protocols.model import is_shape_only_forward, mtp_settings, shape_only_forward, split_inputs
 
 # Schedules by how many stages each rank holds and where they sit.
 SINGLE_STAGE = ("GPipe", "1F1B")
@@ -289,20 +289,31 @@ class _DivisorLoss:
     For a mixture's per-source loss, `Pipeline` also sets `source_sums` ([2, sources] zeros) and passes
     the labels and source ids stacked on a last dimension as the schedule's target, so the schedule splits
     both into the same microbatches; each microbatch's loss adds its per-source token-loss sums and token
-    counts into `source_sums`."""
+    counts into `source_sums`.
 
-    def __init__(self, loss_fn: Callable):
+    A model with multi-token prediction returns (logits, *mtp_logits) from its last stage in training: their
+    loss is added with the model's weight (components/loss.py token_and_mtp_loss), and each microbatch's
+    per-depth loss sums and token counts are added into `mtp_sums` ([2, D] zeros, set by `Pipeline`)."""
+
+    def __init__(self, loss_fn: Callable, mtp_weight: float = 0.0):
         self.loss_fn = loss_fn
+        self.mtp_weight = mtp_weight
         self.divisor: torch.Tensor | float = 1.0
         self.source_sums: torch.Tensor | None = None
+        self.mtp_sums: torch.Tensor | None = None
 
-    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.source_sums is None:
-            return self.loss_fn(logits, target) / self.divisor
-        labels, source_ids = target.unbind(-1)
-        if not is_shape_only_forward():  # not the metadata inference's extra call on microbatch 0
-            self.source_sums += per_source_loss_sums(logits.detach(), labels, source_ids, self.source_sums.shape[1])
-        return self.loss_fn(logits, labels) / self.divisor
+    def __call__(self, output: torch.Tensor | tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+        logits, *mtp_logits = output if isinstance(output, tuple) else (output,)
+        labels = target
+        counted = not is_shape_only_forward()  # not the metadata inference's extra call on microbatch 0
+        if self.source_sums is not None:
+            labels, source_ids = target.unbind(-1)
+            if counted:
+                self.source_sums += per_source_loss_sums(logits.detach(), labels, source_ids, self.source_sums.shape[1])
+        loss, mtp_sums = token_and_mtp_loss(self.loss_fn, logits, mtp_logits, labels, self.mtp_weight)
+        if mtp_sums is not None and counted and self.mtp_sums is not None:
+            self.mtp_sums += mtp_sums
+        return loss / self.divisor
 
 
 def build_schedule(plan: PipelinePlan, stages: list[PipelineStage], loss_fn: Callable) -> _PipelineSchedule:
@@ -325,6 +336,9 @@ class Pipeline:
     group: dist.ProcessGroup
     """The pp process group."""
 
+    mtp_depth: int = 0
+    """Multi-token prediction depths of the model (protocols.model.mtp_settings)."""
+
     def step(
         self,
         inputs,
@@ -332,12 +346,23 @@ class Pipeline:
         divisor: torch.Tensor,
         source_ids: torch.Tensor | None = None,
         num_sources: int = 0,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Forward and backward of one local batch; returns (the batch's token-loss sum over `divisor`, the
         step's global token count; with `source_ids`, the batch's [2, num_sources] per-source token-loss
-        sums and token counts, else None), both on every pp rank. Every pp rank passes the same batch: the
+        sums and token counts, else None; for a model with multi-token prediction its [2, D] per-depth loss
+        sums and token counts, else None), all on every pp rank. Every pp rank passes the same batch: the
         first stage reads the inputs, the last the labels and source ids."""
-        return self._run(self.schedule.step, inputs, labels, divisor, source_ids, num_sources, return_outputs=False)
+        if self.mtp_depth:
+            self.loss.mtp_sums = torch.zeros(2, self.mtp_depth, device=labels.device)
+        try:
+            loss, sums = self._run(self.schedule.step, inputs, labels, divisor, source_ids, num_sources,
+                                   return_outputs=False)
+            mtp_sums = self.loss.mtp_sums
+        finally:
+            self.loss.mtp_sums = None
+        if mtp_sums is not None:  # held by the last stage; zeros elsewhere
+            dist.all_reduce(mtp_sums, group=self.group)
+        return loss, sums, mtp_sums
 
     def eval(
         self, inputs, labels: torch.Tensor, source_ids: torch.Tensor | None = None, num_sources: int = 0
@@ -447,8 +472,9 @@ def pipeline_model(
         # No example inputs: the stages infer activation shapes from the first microbatch (and again when
         # switching between training and validation), including sequence-sharded hidden states under TP.
         stages.append(_Stage(part, s, plan.num_stages, device, group=pp_mesh.get_group()))
-    loss = _DivisorLoss(loss_fn)
-    return Pipeline(plan, build_schedule(plan, stages, loss), parts, loss, pp_mesh.get_group())
+    mtp_depth, mtp_weight = mtp_settings(model)
+    loss = _DivisorLoss(loss_fn, mtp_weight)
+    return Pipeline(plan, build_schedule(plan, stages, loss), parts, loss, pp_mesh.get_group(), mtp_depth)
 
 
 _FORWARD_ACTIONS = {

@@ -11,7 +11,7 @@ A model:
   a None module;
 - is called as `model(tokens, **extra_inputs)` where the batch carried more than tokens (e.g.
   `document_ids`, `positions`: see `split_inputs`), and returns the logits, or a `ModelOutput` when it has
-  auxiliary losses or metrics to report.
+  auxiliary losses, metrics or multi-token-prediction logits to report (see `mtp_settings`).
 
 Its args (a dataclass deriving from `BaseModelArgs`) own the FLOP count, the fields a parallel degree
 must divide, and how a job's settings (the tokenizer, the sequence length) check and resize them.
@@ -41,6 +41,18 @@ class ModelOutput:
     metrics: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     """Values to log (e.g. per-expert load), detached; averaged over the step's microbatches and over the
     data-parallel ranks when logged. Vectors are logged element-wise as name/i."""
+    mtp_logits: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """Logits of multi-token prediction depths 1..D (models/common/mtp.py), in training only: depth k's
+    position i predicts the token k+1 positions ahead. The trainer trains them with the labels shifted by
+    k, weighted by the model's `mtp_loss_weight` (see `mtp_settings`)."""
+
+
+def mtp_settings(model: nn.Module) -> tuple[int, float]:
+    """(depths D, loss weight lambda) of a model with multi-token prediction (its `mtp_depth` and
+    `mtp_loss_weight` attributes), (0, 0.0) for others. Such a model returns ModelOutput.mtp_logits in
+    training, and its last pipeline stage returns (logits, *mtp_logits), for the loss to train them
+    (components/loss.py token_and_mtp_loss)."""
+    return int(getattr(model, "mtp_depth", 0)), float(getattr(model, "mtp_loss_weight", 0.0))
 
 
 _SHAPE_ONLY = contextvars.ContextVar("shape_only_forward", default=False)

@@ -34,7 +34,27 @@ def model_args_for(spec: TrainSpec, flavor: str, hf_config: str | None = None, o
         args = _args_from_hf(spec, hf_config)
     else:
         args = get_flavor(spec, flavor)
+    _check_family_fields(spec, args, overrides)
     return apply_overrides(args, list(overrides))
+
+
+def _check_family_fields(spec: TrainSpec, args: Any, overrides) -> None:
+    """An override of a field this family lacks but other registered families have (e.g. mtp_depth, a
+    DeepSeek-V3 option) is refused naming those families, rather than as a misspelt field."""
+    ours = {f.name for f in dataclasses.fields(args)}
+    for item in overrides:
+        name = item.partition("=")[0].strip().split(".")[0]
+        if not name or name in ours:
+            continue
+        owners = sorted(
+            s.name for s in _registered().values() if s.name != spec.name and s.flavors
+            and name in {f.name for f in dataclasses.fields(next(iter(s.flavors.values())))}
+        )
+        if owners:
+            raise ConfigError(
+                f"--model.overrides {item!r}: model {spec.name} has no {name} (an option of "
+                f"{', '.join(owners)}); use --model.name {owners[0]} or drop the override"
+            )
 
 
 def _args_from_hf(spec: TrainSpec, path: str) -> Any:

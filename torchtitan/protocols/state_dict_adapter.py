@@ -30,6 +30,9 @@ class HFLayout:
     row_block: int = 0
     to_hf_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
     from_hf_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+    copies: tuple[str, ...] = ()
+    """More HF names the folder stores the same tensor under (DeepSeek-V3's MTP layer repeats the embedding
+    and output head): written with it, never read (a plain rename only)."""
 
 
 class StateDictAdapter(ABC):

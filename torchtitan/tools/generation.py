@@ -26,7 +26,8 @@ def generate(
     model.eval()
     for _ in range(max_new_tokens):
         window = torch.tensor(tokens[-max_seq_len:], dtype=torch.long)[None]
-        logits = model(window)[0, -1].float()
+        out = model(window)  # logits, or a ModelOutput (MoE, MTP models) holding them
+        logits = getattr(out, "logits", out)[0, -1].float()
         if temperature == 0:
             nxt = int(logits.argmax())
         else:

@@ -30,6 +30,11 @@ class MoEArgs:
     much towards the mean load (up when under-loaded, down when over-loaded); 0 turns it off."""
     aux_loss_alpha: float = 0.0
     """Weight of the sequence-wise balance loss (DeepSeek-V3: 1e-4); 0 turns it off."""
+    router_aux_loss_coef: float = 0.0
+    """Weight of transformers' load-balancing loss (Switch Transformer's, as Qwen3-MoE, GPT-OSS and Mixtral
+    train with `output_router_logits`; HF config `router_aux_loss_coef`): num_experts * sum_e f_e P_e over
+    the tokens of every MoE layer of a forward together (components/moe/moe.py RouterBalance); softmax
+    routing only; 0 turns it off."""
 
     def check(self) -> None:
         if self.score_func not in ("softmax", "sigmoid"):
@@ -54,14 +59,27 @@ class MoEConfig:
     """Weight of DeepSeek-V3's sequence-wise balance loss, added to the training loss (published: 1e-4);
     0 turns it off. Not available under pipeline parallel (stages pass activations only)."""
 
+    router_aux_loss_coef: float | None = None
+    """Weight of transformers' load-balancing loss (Qwen3-MoE's `router_aux_loss_coef`; softmax routing), added
+    to the training loss; unset: the model's own (from its HF config, where `output_router_logits` is true,
+    else 0); 0 turns it off. Not available under pipeline parallel."""
+
 
 def moe_args_for_job(moe: MoEArgs, job_config: Any) -> MoEArgs:
     """A flavor's MoE args with the job's `moe` section applied; the sequence-wise loss is refused under
     pipeline parallel (stages pass activations only, so a middle stage's loss has no way to the loss)."""
     m = job_config.moe
-    if m.aux_loss_alpha > 0 and job_config.parallelism.pipeline_parallel_degree > 1:
+    coef = moe.router_aux_loss_coef if m.router_aux_loss_coef is None else m.router_aux_loss_coef
+    for name, value in (("aux_loss_alpha", m.aux_loss_alpha), ("router_aux_loss_coef", coef)):
+        if value > 0 and job_config.parallelism.pipeline_parallel_degree > 1:
+            raise ValueError(
+                f"--moe.{name} needs the whole model in one stage (pipeline stages pass activations only); "
+                f"under pipeline parallel balance with --moe.load_balance_coeff and set --moe.{name} 0"
+            )
+    if coef > 0 and moe.score_func != "softmax":
         raise ValueError(
-            "--moe.aux_loss_alpha needs the whole model in one stage (pipeline stages pass activations only); "
-            "under pipeline parallel balance with --moe.load_balance_coeff and set --moe.aux_loss_alpha 0"
+            f"--moe.router_aux_loss_coef {coef}: transformers' load-balancing loss reads softmax router "
+            f"probabilities, and this model routes by {moe.score_func} scores; use --moe.aux_loss_alpha instead"
         )
-    return dataclasses.replace(moe, load_balance_coeff=m.load_balance_coeff, aux_loss_alpha=m.aux_loss_alpha)
+    return dataclasses.replace(moe, load_balance_coeff=m.load_balance_coeff, aux_loss_alpha=m.aux_loss_alpha,
+                               router_aux_loss_coef=coef)

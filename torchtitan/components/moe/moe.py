@@ -35,6 +35,9 @@ class MoEOutput:
     """Sequence-wise balance loss as a SUM over this call's tokens (see MoE.sequence_aux_loss); None when off."""
     load: torch.Tensor
     """Token copies routed to each expert by this call [E] (detached)."""
+    router_probs: torch.Tensor | None = None
+    """Sum over this call's tokens of each expert's router probability [E] fp32, for RouterBalance; None
+    unless router_aux_loss_coef is on (in training)."""
 
 
 class SwiGLU(nn.Module):
@@ -109,7 +112,8 @@ class MoE(nn.Module):
         aux = None
         if self.args.aux_loss_alpha > 0 and self.training:
             aux = self.sequence_aux_loss(scores.view(bs, slen, -1), ids.view(bs, slen, -1))
-        return MoEOutput(out.view(bs, slen, dim), aux, load.detach())
+        probs = scores.sum(0) if self.args.router_aux_loss_coef > 0 and self.training else None
+        return MoEOutput(out.view(bs, slen, dim), aux, load.detach(), probs)
 
     def sequence_aux_loss(self, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """DeepSeek-V3's sequence-wise balance loss, alpha * sum_i f_i P_i per sequence, where f_i is expert
@@ -143,3 +147,46 @@ def add_layer_stats(
     if out.aux_loss is None:
         return aux_total
     return out.aux_loss if aux_total is None else aux_total + out.aux_loss
+
+
+class RouterBalance:
+    """transformers' load-balancing loss (`load_balancing_loss_func`, Switch Transformer's eqs. 4-6) as
+    Qwen3-MoE, GPT-OSS and Mixtral add it with `output_router_logits`: over the token rows of EVERY MoE layer
+    of one forward taken together (not per layer),
+
+        loss = coef * E * sum_e f_e P_e,  f_e = top-k picks of expert e / rows,  P_e = sum of its probability / rows
+
+    (f sums to top_k). A family's forward makes one, `add`s each MoE layer's output between blocks, and
+    `add_to` its aux-loss total at the end. transformers adds coef * loss to the MEAN token loss of the
+    forward; ModelOutput.aux_loss is a SUM over tokens, so it is returned times the forward's tokens (one
+    layer's rows): divided by the step's token count it is transformers' value for one microbatch, and the
+    token-weighted mean of the microbatches' values for several. Under TP/CP each rank's router sees its
+    sequence shard, so its f and P are those of the shard."""
+
+    def __init__(self) -> None:
+        self.picks: torch.Tensor | None = None
+        self.probs: torch.Tensor | None = None
+        self.rows, self.layers, self.coef = 0, 0, 0.0
+
+    def add(self, out: MoEOutput, moe: MoE) -> None:
+        if out.router_probs is None:
+            return
+        self.picks = out.load.float() if self.picks is None else self.picks + out.load.float()
+        self.probs = out.router_probs if self.probs is None else self.probs + out.router_probs
+        self.rows += out.out.shape[0] * out.out.shape[1]  # this call's tokens: [B, S, dim]
+        self.layers += 1
+        self.coef = moe.args.router_aux_loss_coef
+
+    def loss(self) -> torch.Tensor | None:
+        """coef * transformers' loss value (the value added to a mean token loss); None when off."""
+        if self.probs is None:
+            return None
+        n_experts = self.probs.numel()
+        return self.coef * n_experts * ((self.picks / self.rows) * (self.probs / self.rows)).sum()
+
+    def add_to(self, aux_total: torch.Tensor | None) -> torch.Tensor | None:
+        loss = self.loss()
+        if loss is None:
+            return aux_total
+        loss = loss * (self.rows // self.layers)  # in ModelOutput.aux_loss's units: a sum over the tokens
+        return loss if aux_total is None else aux_total + loss

@@ -38,6 +38,14 @@ class DeepSeekV3ModelArgs(BaseModelArgs):
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 1.0
+    # Multi-token prediction (models/common/mtp.py).
+    mtp_depth: int = 0
+    """Multi-token prediction depths D (DeepSeek-V3: 1; HF num_nextn_predict_layers): depth k predicts the
+    token k+1 ahead through one more block (numbered after the main layers), sharing the embedding and
+    output head; 0 turns it off. Trained only: inference and generation read the main logits."""
+    mtp_loss_weight: float = 0.1
+    """lambda: the training loss adds lambda/D * sum_k of each depth's cross entropy (DeepSeek-V3: 0.3 for
+    its first 10T tokens, then 0.1)."""
 
     @property
     def qk_head_dim(self) -> int:
@@ -47,10 +55,12 @@ class DeepSeekV3ModelArgs(BaseModelArgs):
         """6 FLOPs per ACTIVE matmul parameter (only top_k of the routed experts run per token) plus the
         attention score and value matmuls (q.k over qk_head_dim, p.v over v_head_dim), fwd + bwd."""
         m = self.moe
-        n_moe = self.n_layers - self.n_dense_layers
+        blocks = self.n_layers + self.mtp_depth  # each MTP depth runs one more block (a MoE one) ...
+        n_moe = blocks - min(self.n_dense_layers, blocks)
         inactive = n_moe * (m.num_experts - m.top_k) * 3 * self.dim * m.hidden_dim
-        attention = 6 * self.n_layers * self.n_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
-        return 6 * (num_non_embedding_params - inactive) + attention
+        attention = 6 * blocks * self.n_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
+        head = 6 * self.mtp_depth * self.dim * self.vocab_size  # ... and the shared output head once more
+        return 6 * (num_non_embedding_params - inactive) + attention + head
 
     def divisible_by(self) -> dict[str, dict[str, int]]:
         return {
@@ -60,7 +70,27 @@ class DeepSeekV3ModelArgs(BaseModelArgs):
 
     def update_from_job(self, job_config, tokenizer) -> "DeepSeekV3ModelArgs":
         args = super().update_from_job(job_config, tokenizer)
+        check_mtp_layout(args, job_config)
         return dataclasses.replace(args, moe=moe_args_for_job(args.moe, job_config))
+
+
+def check_mtp_layout(args: DeepSeekV3ModelArgs, job_config) -> None:
+    """Multi-token prediction runs whole on the last pipeline stage, next to the output head: its block is
+    not sharded by tensor or expert parallel, and a context-parallel slice lacks the tokens that follow it
+    (the shifted embeddings and labels). FSDP and PP compose with it."""
+    if args.mtp_depth < 0:
+        raise ValueError(f"--model.overrides mtp_depth={args.mtp_depth}: the depth must be >= 0 (0 turns MTP off)")
+    if args.mtp_depth == 0:
+        return
+    p = job_config.parallelism
+    degrees = {"tensor_parallel_degree": p.tensor_parallel_degree, "context_parallel_degree": p.context_parallel_degree,
+               "expert_parallel_degree": p.expert_parallel_degree}
+    used = [f"{name} {d}" for name, d in degrees.items() if d > 1]
+    if used:
+        raise ValueError(
+            f"multi-token prediction (mtp_depth {args.mtp_depth}) runs with FSDP and pipeline parallel only, not "
+            f"{', '.join(used)}; set --model.overrides mtp_depth=0 or drop that parallelism"
+        )
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:

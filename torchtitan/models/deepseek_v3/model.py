@@ -9,6 +9,12 @@ YaRN frequency scaling for long contexts.
 Built for being cut up like llama3 (see protocols/model.py): layers keyed by index, head/tail modules may
 be None on a pipeline stage. A whole model returns a ModelOutput (logits, the MoE balance loss, per-layer
 expert load); a pipeline stage returns plain tensors (stages pass activations only).
+
+Multi-token prediction (`mtp_depth` > 0, models/common/mtp.py) trains D more blocks after the output: in
+training a whole model adds their logits to its ModelOutput; under pipeline parallel the MTP module sits on
+the last stage (a tail module), every earlier stage passes the input tokens' embeddings on beside the hidden
+state (so the one shared embedding gets the MTP's gradient through the pipeline), and the last stage returns
+(logits, *mtp_logits). In eval mode (validation, generation) the model computes the main logits only.
 """
 
 import math
@@ -18,6 +24,7 @@ import torch
 from torch import nn
 
 from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.mtp import MultiTokenPrediction
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs, yarn_mscale
 from torchtitan.models.common.rope import apply_rope_interleaved as apply_rope
 from torchtitan.models.common.rope import rope_table
@@ -152,6 +159,13 @@ class DeepSeekV3Model(nn.Module):
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope_cache", yarn_rope_cache(args), persistent=False)
+        # DeepSeek-V3's MTP blocks are numbered after the main layers (HF: model.layers.{n_layers + k - 1}).
+        self.mtp: MultiTokenPrediction | None = None
+        if args.mtp_depth:
+            blocks = [Block(args.n_layers + k, args) for k in range(args.mtp_depth)]
+            self.mtp = MultiTokenPrediction(args.dim, args.norm_eps, blocks)
+            self.pipeline_tail = (*self.pipeline_tail, "mtp")  # held by the last stage, with the output
+        self.mtp_depth, self.mtp_loss_weight = args.mtp_depth, args.mtp_loss_weight  # protocols.model.mtp_settings
         # Set by context parallel: the true positions of this rank's load-balanced slice.
         self.fixed_positions: torch.Tensor | None = None
 
@@ -168,21 +182,46 @@ class DeepSeekV3Model(nn.Module):
             self.norm.reset_parameters()
         if self.output is not None:
             _trunc_normal(self.output.weight, self.model_args.dim**-0.5)
+        if self.mtp is not None:  # last: the main weights draw the same numbers with or without MTP
+            self.mtp.init_weights(lambda block: block.init_weights(buffer_device))
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> ModelOutput | torch.Tensor:
-        """tokens [B, S] (or hidden states on a later pipeline stage). Returns a ModelOutput on a whole
-        model, the logits / hidden states on a pipeline stage."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        mtp_embeddings: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> ModelOutput | torch.Tensor | tuple[torch.Tensor, ...]:
+        """tokens [B, S] (or hidden states on a later pipeline stage, with the input embeddings that
+        multi-token prediction reads as `mtp_embeddings`). Returns a ModelOutput on a whole model; on a
+        pipeline stage the hidden states (with the embeddings while training MTP), or on the last the
+        logits (with the MTP logits while training it)."""
+        mtp = self.model_args.mtp_depth > 0 and self.training
+        if self.tok_embeddings is not None:
+            h = mtp_embeddings = self.tok_embeddings(tokens)
+        else:
+            h = tokens
         if positions is None:
             positions = self.fixed_positions
         aux_loss, metrics = None, {}
-        for key, layer in self.layers.items():
-            h, moe = layer(h, self.rope_cache, positions)
+
+        def run_block(key: str, layer: Block, x: torch.Tensor) -> torch.Tensor:
+            nonlocal aux_loss
+            x, moe = layer(x, self.rope_cache, positions)
             if moe is not None:
                 aux_loss = add_layer_stats(aux_loss, metrics, key, moe, layer.moe)
+            return x
+
+        for key, layer in self.layers.items():
+            h = run_block(key, layer, h)
         if self.norm is not None:
             h = self.norm(h)
-        out = self.output(h) if self.output is not None else h
-        if self.tok_embeddings is None or self.output is None:
-            return out  # a pipeline stage: activations only (the balance loss is refused under PP)
-        return ModelOutput(logits=out, aux_loss=aux_loss, metrics=metrics)
+        if self.output is None:  # a stage before the last: activations only
+            return (h, mtp_embeddings) if mtp else h
+        logits = self.output(h)
+        mtp_logits = []
+        if mtp:  # depth k's block is layer n_layers + k - 1 in the metrics, as in HF checkpoints
+            n = self.model_args.n_layers
+            mtp_logits = self.mtp(h, mtp_embeddings, self.output, lambda k, b, x: run_block(str(n + k - 1), b, x))
+        if self.tok_embeddings is None:
+            return (logits, *mtp_logits) if mtp else logits  # the balance loss is refused under PP
+        return ModelOutput(logits=logits, aux_loss=aux_loss, metrics=metrics, mtp_logits=mtp_logits)

@@ -4,11 +4,20 @@
 No permutation is needed: DeepSeek's checkpoints rotate adjacent pairs of the rope part (HF
 `rope_interleave`), as our RoPE does. The published 671B checkpoint stores most weights as fp8 with
 128x128 block scales (`weight_scale_inv`); those folders are refused: dequantise them to bf16 first.
-The multi-token-prediction layer a checkpoint may carry (index >= num_hidden_layers) is not trained here
-and is skipped.
+
+Multi-token prediction: the checkpoint stores MTP depth k as layer num_hidden_layers + k - 1 (its
+`num_nextn_predict_layers` is our mtp_depth): a decoder layer's weights plus `enorm`, `hnorm`, `eh_proj`,
+`shared_head.norm`, and copies of the shared embedding (`embed_tokens`) and output head
+(`shared_head.head`). Ours are `mtp.depths.{k-1}.*`; the copies are written from our one embedding and
+output (HFLayout.copies) and not read back. A job with mtp_depth 0 skips a folder's MTP layers. A folder
+whose config counts MTP layers its weights lack (transformers' save_pretrained drops them; its config
+default is 1) reads as mtp_depth 0.
 """
 
+import dataclasses
+import json
 import math
+import os
 import re
 
 import torch
@@ -17,7 +26,7 @@ from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs, yarn_mscale
 from torchtitan.components.moe import MoEArgs
 from torchtitan.components.moe.hf_experts import is_expert_key, stack_experts, unstack_experts
 from torchtitan.protocols.hf_config import HFConfigReader, UnsupportedHFConfig, rope_dict
-from torchtitan.protocols.state_dict_adapter import StateDictAdapter
+from torchtitan.protocols.state_dict_adapter import HFLayout, StateDictAdapter
 
 _LAYER_KEYS = {
     "attention_norm.weight": "input_layernorm.weight",
@@ -50,6 +59,17 @@ _OURS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _OURS_EXPERTS = re.compile(r"layers\.(\d+)\.moe\.experts\.(w[123])")
 _HF_EXPERTS_PREFIX = re.compile(r"model\.layers\.(\d+)\.mlp\.experts")
+# An MTP depth's own tensors (besides its block's), ours -> the HF layer's.
+_MTP_KEYS = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
+}
+_MTP_FROM_HF = {v: k for k, v in _MTP_KEYS.items()}
+# The HF MTP layer's copies of the shared tensors, by the shared tensor's name.
+_MTP_COPIES = {"tok_embeddings.weight": "embed_tokens.weight", "output.weight": "shared_head.head.weight"}
+_OURS_MTP = re.compile(r"mtp\.depths\.(\d+)\.(.+)")
 
 FP8_MESSAGE = (
     "this DeepSeek checkpoint is fp8 block-quantised (weight_scale_inv / quantization_config); dequantise it "
@@ -60,6 +80,8 @@ FP8_MESSAGE = (
 class DeepSeekV3StateDictAdapter(StateDictAdapter):
     args: DeepSeekV3ModelArgs
     HF_MODEL_TYPES = ("deepseek_v3",)
+    # A job may drop a folder's MTP layers (mtp_depth 0) and still load the rest.
+    HF_CONFIG_NOT_COMPARED = StateDictAdapter.HF_CONFIG_NOT_COMPARED | {"num_nextn_predict_layers"}
 
     @staticmethod
     def to_hf_config(args: DeepSeekV3ModelArgs, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -69,11 +91,40 @@ class DeepSeekV3StateDictAdapter(StateDictAdapter):
     def from_hf_config(config: dict, where: str = "config.json") -> DeepSeekV3ModelArgs:
         return from_hf_config(config, where)
 
+    @classmethod
+    def args_from_hf(cls, folder: str) -> DeepSeekV3ModelArgs:
+        """The config's args, with mtp_depth the number of MTP layers the folder's weights hold."""
+        args = super().args_from_hf(folder)
+        keys = _stored_keys(folder) if args.mtp_depth else None
+        if keys is None:
+            return args
+        held = 0
+        while held < args.mtp_depth and f"model.layers.{args.n_layers + held}.eh_proj.weight" in keys:
+            held += 1
+        return dataclasses.replace(args, mtp_depth=held)
+
+    def _mtp_layers(self) -> range:
+        return range(self.args.n_layers, self.args.n_layers + self.args.mtp_depth)
+
+    def hf_layout(self, key: str, shape: torch.Size) -> HFLayout | None:
+        if key in _MTP_COPIES and self.args.mtp_depth:
+            return HFLayout([_TOP_KEYS[key]], copies=tuple(
+                f"model.layers.{i}.{_MTP_COPIES[key]}" for i in self._mtp_layers()))
+        return super().hf_layout(key, shape)
+
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         hf = {}
         for key, t in state_dict.items():
+            if m := _OURS_MTP.fullmatch(key):  # as a layer numbered after the main ones
+                i, rest = self.args.n_layers + int(m.group(1)), m.group(2)
+                if rest in _MTP_KEYS:
+                    hf[f"model.layers.{i}.{_MTP_KEYS[rest]}"] = t
+                    continue
+                key = f"layers.{i}.{rest.removeprefix('block.')}"
             if key in _TOP_KEYS:
                 hf[_TOP_KEYS[key]] = t
+                if key in _MTP_COPIES:
+                    hf.update({f"model.layers.{i}.{_MTP_COPIES[key]}": t for i in self._mtp_layers()})
             elif m := _OURS_EXPERTS.fullmatch(key):
                 hf.update(unstack_experts(f"model.layers.{m.group(1)}.mlp.experts", m.group(2), t))
             elif (m := _OURS_LAYER.fullmatch(key)) and m.group(2) in _LAYER_KEYS:
@@ -85,26 +136,52 @@ class DeepSeekV3StateDictAdapter(StateDictAdapter):
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if any(k.endswith("weight_scale_inv") for k in hf_state_dict):
             raise ValueError(FP8_MESSAGE)
-        n_layers = self.args.n_layers
+        n_layers, n_mtp = self.args.n_layers, self.args.mtp_depth
+        copies = set(_MTP_COPIES.values())
         hf = {}
         for key, t in hf_state_dict.items():
             m = _HF_LAYER.fullmatch(key)
-            if m and int(m.group(1)) >= n_layers:
-                continue  # the multi-token-prediction layer(s)
+            if m and (int(m.group(1)) >= n_layers + n_mtp or int(m.group(1)) >= n_layers and m.group(2) in copies):
+                continue  # MTP layers this job does not train; the MTP layers' copies of the shared tensors
             hf[key] = t
         ours = {}
         for (prefix, w), t in stack_experts(hf).items():
-            ours[f"layers.{_HF_EXPERTS_PREFIX.fullmatch(prefix).group(1)}.moe.experts.{w}"] = t
+            ours[_ours_layer(int(_HF_EXPERTS_PREFIX.fullmatch(prefix).group(1)), n_layers, f"moe.experts.{w}")] = t
         for key, t in hf.items():
             if is_expert_key(key):
                 continue
+            m = _HF_LAYER.fullmatch(key)
             if key in _TOP_FROM_HF:
                 ours[_TOP_FROM_HF[key]] = t
-            elif (m := _HF_LAYER.fullmatch(key)) and m.group(2) in _FROM_HF:
-                ours[f"layers.{m.group(1)}.{_FROM_HF[m.group(2)]}"] = t
+            elif m and int(m.group(1)) >= n_layers and m.group(2) in _MTP_FROM_HF:
+                ours[f"mtp.depths.{int(m.group(1)) - n_layers}.{_MTP_FROM_HF[m.group(2)]}"] = t
+            elif m and m.group(2) in _FROM_HF:
+                ours[_ours_layer(int(m.group(1)), n_layers, _FROM_HF[m.group(2)])] = t
             elif not key.endswith("rotary_emb.inv_freq"):
                 raise KeyError(f"unsupported Hugging Face weight {key!r}")
         return ours
+
+
+def _stored_keys(folder: str) -> set[str] | None:
+    """The tensor names of an HF folder's weights (from its index, else its single file's header); None
+    when the path holds no weights (a config.json alone)."""
+    from safetensors import safe_open
+
+    from torchtitan.components.hf_folder import INDEX, SINGLE
+
+    index, single = os.path.join(folder, INDEX), os.path.join(folder, SINGLE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            return set(json.load(f).get("weight_map", {}))
+    if os.path.isfile(single):
+        with safe_open(single, framework="pt") as f:
+            return set(f.keys())
+    return None
+
+
+def _ours_layer(i: int, n_layers: int, rest: str) -> str:
+    """Our name of a tensor of HF decoder layer i: a main block's, or the block of MTP depth i - n_layers + 1."""
+    return f"layers.{i}.{rest}" if i < n_layers else f"mtp.depths.{i - n_layers}.block.{rest}"
 
 
 def to_hf_config(args: DeepSeekV3ModelArgs, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -157,7 +234,7 @@ def to_hf_config(args: DeepSeekV3ModelArgs, dtype: torch.dtype = torch.bfloat16)
         "rope_interleave": True,
         "attention_bias": False,
         "tie_word_embeddings": False,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": args.mtp_depth,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
@@ -193,9 +270,8 @@ def from_hf_config(config: dict, where: str = "config.json") -> DeepSeekV3ModelA
     r.expect("tie_word_embeddings", False, False)
     r.expect("moe_layer_freq", 1, 1)
     r.expect("topk_method", ("noaux_tc", "greedy", "group_limited_greedy"), "noaux_tc")
-    # Derived or unused here: the multi-token-prediction layers are skipped, kv heads are the heads (MLA),
-    # head_dim / qk_head_dim follow from the MLA sizes.
-    r.ignore("num_nextn_predict_layers", "num_key_value_heads", "head_dim", "qk_head_dim")
+    # Derived here: kv heads are the heads (MLA), head_dim / qk_head_dim follow from the MLA sizes.
+    r.ignore("num_key_value_heads", "head_dim", "qk_head_dim")
     rope = HFConfigReader(rope_dict(r), f"{where} rope parameters", r.family)
     theta = float(rope.req("rope_theta"))
     kind = rope.expect("rope_type", ("default", "yarn"), "default")
@@ -236,6 +312,7 @@ def from_hf_config(config: dict, where: str = "config.json") -> DeepSeekV3ModelA
         v_head_dim=int(r.req("v_head_dim")),
         max_seq_len=int(r.req("max_position_embeddings")),
         rope_theta=theta,
+        mtp_depth=int(r.opt("num_nextn_predict_layers", 0)),
         **yarn,
     )
     r.finish()

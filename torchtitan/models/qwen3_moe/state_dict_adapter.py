@@ -28,6 +28,8 @@ _HF_EXPERTS_PREFIX = re.compile(r"model\.layers\.(\d+)\.mlp\.experts")
 class Qwen3MoeStateDictAdapter(StateDictAdapter):
     args: Qwen3MoeModelArgs
     HF_MODEL_TYPES = ("qwen3_moe",)
+    # Training settings, not the model: a job may train a folder's weights with another balance loss weight.
+    HF_CONFIG_NOT_COMPARED = StateDictAdapter.HF_CONFIG_NOT_COMPARED | {"output_router_logits", "router_aux_loss_coef"}
 
     def hf_layout(self, key: str, shape: torch.Size):
         if _OURS_BIAS.fullmatch(key):
@@ -82,6 +84,8 @@ class Qwen3MoeStateDictAdapter(StateDictAdapter):
             "norm_topk_prob": m.route_norm,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
+            "output_router_logits": m.router_aux_loss_coef > 0,
+            "router_aux_loss_coef": m.router_aux_loss_coef,
         }
 
     @staticmethod
@@ -100,6 +104,8 @@ class Qwen3MoeStateDictAdapter(StateDictAdapter):
             num_experts=int(experts), num_shared_experts=0, hidden_dim=int(r.req("moe_intermediate_size")),
             top_k=int(r.req("num_experts_per_tok")), score_func="softmax",
             route_norm=bool(r.opt("norm_topk_prob", False)), route_scale=1.0,
+            # transformers trains with the load-balancing loss only when output_router_logits is true
+            router_aux_loss_coef=float(r.opt("router_aux_loss_coef", 0.0)) if r.opt("output_router_logits") else 0.0,
         )
         r.finish()
         return Qwen3MoeModelArgs(**{f.name: getattr(dense, f.name) for f in dataclasses.fields(dense)}, moe=moe)
