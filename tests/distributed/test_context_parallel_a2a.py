@@ -1,0 +1,97 @@
+"""Ulysses and hierarchical context parallel: the attention equals full attention, and bad layouts get one line.
+
+Attention level: every rank builds the same full q/k/v (and document ids) from a seed, the reference is the
+model's own kernel (ScaledDotProductAttention) over the whole sequence; the CP kernel runs on the rank's
+load-balanced shard and outputs and input gradients are gathered and compared (fp32, atol = rtol = 1e-5).
+Head counts cover MHA, GQA whose k/v heads the group divides, and GQA whose k/v heads must be repeated
+(1 k/v head over 4 ranks; 2 over 4), with MLA's narrower value heads. Training-level parity (the Trainer, one
+process vs. the layouts) lives in test_context_parallel_training.py.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.multiprocess import run_ranks
+from torchtitan.distributed.context_parallel import gather_sequence, shard_sequence
+from torchtitan.distributed.context_parallel_a2a import check_cp_method, group_order
+from torchtitan.distributed.parallel_dims import LayoutError
+
+ATOL = RTOL = 1e-5
+SEQ_DIM = 2
+
+
+def test_group_order_is_natural_order_when_the_group_is_all_of_cp():
+    # cp 4 = one group: shards in rank order hold chunks (0,7) (1,6) (2,5) (3,4); reordered: 0..7.
+    chunks = torch.tensor([0, 7, 1, 6, 2, 5, 3, 4])
+    assert chunks[group_order(2, 4, "cpu")].tolist() == list(range(8))
+
+
+def test_group_order_is_the_ring_layout_of_the_groups():
+    # cp 4 in 2 groups of 2: group 1 holds ranks 2, 3 = chunks (2,5) (3,4), i.e. super-chunks 1 = (2,3) and
+    # 2 = (4,5) of 4 super-chunks: ring rank 1's load-balanced pair over a ring of 2.
+    chunks = torch.tensor([2, 5, 3, 4])
+    assert chunks[group_order(2, 2, "cpu")].tolist() == [2, 3, 4, 5]
+
+
+def _compare(rank: int, world_size: int, method: str, a2a_degree: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan.distributed.context_parallel_a2a import cp_attention_factory
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    kernel = ScaledDotProductAttention()
+    attention = cp_attention_factory(mesh, method, a2a_degree, "alltoall")(kernel)
+    batch, hq, seq, dim = 2, 4, 32, 8
+    for hkv, v_dim in [(4, dim), (2, dim), (1, dim), (4, 6)]:
+        gen = torch.Generator().manual_seed(1234)
+        q = torch.randn(batch, hq, seq, dim, generator=gen, requires_grad=True)
+        k = torch.randn(batch, hkv, seq, dim, generator=gen, requires_grad=True)
+        v = torch.randn(batch, hkv, seq, v_dim, generator=gen, requires_grad=True)
+        dout = torch.randn(batch, hq, seq, v_dim, generator=gen)
+        # Documents of lengths 5, 11, 16 (row 0) and 20, 12 (row 1): boundaries cross the chunks.
+        ids = torch.tensor([[0] * 5 + [1] * 11 + [2] * 16, [0] * 20 + [1] * 12])
+        for doc in (None, ids):
+            for t in (q, k, v):
+                t.grad = None
+            ref = kernel(q, k, v) if doc is None else kernel(q, k, v, doc)
+            ref.backward(dout)
+            local = [shard_sequence(t.detach(), SEQ_DIM, world_size, rank).requires_grad_() for t in (q, k, v)]
+            args = local if doc is None else [*local, shard_sequence(doc, 1, world_size, rank)]
+            out = attention(*args)
+            out.backward(shard_sequence(dout, SEQ_DIM, world_size, rank))
+            got = {"out": gather_sequence(out.detach(), SEQ_DIM),
+                   **{f"d{n}": gather_sequence(t.grad, SEQ_DIM) for n, t in zip("qkv", local)}}
+            want = {"out": ref.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+            for name in got:
+                torch.testing.assert_close(got[name], want[name], atol=ATOL, rtol=RTOL,
+                                           msg=lambda m: f"hkv={hkv} v_dim={v_dim} docs={doc is not None} {name}: {m}")
+    dist.barrier()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("method,cp,a2a", [("ulysses", 2, 0), ("ulysses", 4, 0), ("hierarchical", 4, 2)])
+def test_a2a_attention_matches_the_kernel_on_the_whole_sequence(method, cp, a2a):
+    run_ranks(_compare, cp, method, a2a)
+
+
+@pytest.mark.parametrize("method,a2a,cp,tp,heads,match", [
+    ("ulysses", 2, 4, 1, 8, r"uses all 4 cp ranks as one all-to-all group"),
+    ("hierarchical", 1, 4, 1, 8, r"hierarchical context parallel needs .*a2a_degree above 1"),
+    ("hierarchical", 0, 4, 1, 8, r"needs .*a2a_degree above 1"),
+    ("hierarchical", 3, 6, 1, 12, None),  # fits
+    ("hierarchical", 4, 6, 1, 12, r"a2a_degree 4 does not divide context_parallel_degree 6; degrees that fit: \[2, 3\]"),
+    ("hierarchical", 4, 4, 1, 8, r"that is --parallelism.context_parallel_method ulysses"),
+    ("ulysses", 0, 4, 2, 4, r"splits the 2 attention heads each tensor-parallel rank holds"),
+    ("ulysses", 0, 4, 1, 6, r"splits the 6 attention heads .* degrees that fit: \[2\]"),
+    ("ring", 2, 4, 1, 8, r"a2a_degree 2 sizes the all-to-all groups"),
+    ("ring", 0, 4, 1, 3, None),  # the ring splits no heads
+])
+def test_bad_layouts_get_one_line(method, a2a, cp, tp, heads, match):
+    if match is None:
+        check_cp_method(method, a2a, cp, tp, heads)
+        return
+    with pytest.raises(LayoutError, match=match) as err:
+        check_cp_method(method, a2a, cp, tp, heads)
+    assert "\n" not in str(err.value)
