@@ -95,3 +95,28 @@ def test_bad_layouts_get_one_line(method, a2a, cp, tp, heads, match):
     with pytest.raises(LayoutError, match=match) as err:
         check_cp_method(method, a2a, cp, tp, heads)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("argv,code,start", [
+    (["--parallelism.context_parallel_method", "hierarchical", "--parallelism.context_parallel_a2a_degree", "1"],
+     1, "error: hierarchical context parallel needs --parallelism.context_parallel_a2a_degree above 1"),
+    (["--parallelism.context_parallel_method", "hierarchical", "--parallelism.context_parallel_a2a_degree", "3"],
+     1, "error: --parallelism.context_parallel_a2a_degree 3 does not divide context_parallel_degree 4"),
+    (["--parallelism.context_parallel_method", "ulysses", "--parallelism.tensor_parallel_degree", "2",
+      "--parallelism.context_parallel_degree", "2"],
+     None, None),  # 4 heads / tp 2 = 2 heads per rank: a group of 2 splits them
+    (["--parallelism.context_parallel_method", "ulysses", "--parallelism.context_parallel_degree", "8",
+      "--parallelism.data_parallel_shard_degree", "1"], 1, "error: ulysses context parallel splits the 4 attention heads"),
+    (["--parallelism.context_parallel_method", "allgather"], 2, "error: --parallelism.context_parallel_method"),
+])
+def test_preflight_refuses_bad_cp_methods_in_one_line(argv, code, start, capsys):
+    from torchtitan import preflight
+
+    world = "8" if "8" in argv else "4"
+    base = ["--world-size", world, "--model.flavor", "debugmodel_tiny", "--parallelism.context_parallel_degree", "4"]
+    assert preflight.main(base + argv) == (code or 0)
+    err = capsys.readouterr().err.strip()
+    if code is None:
+        assert err == ""
+        return
+    assert err.count("\n") == 0 and err.startswith(start), err
