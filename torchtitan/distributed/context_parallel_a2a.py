@@ -149,7 +149,7 @@ def _gather_ids(ids: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Every group rank's document ids [B, L], concatenated along the sequence in group-rank order."""
     a = dist.get_world_size(group)
     out = ids.new_empty((a * ids.shape[0], ids.shape[1]))
-    dist.all_gather_into_tensor(out, ids.contiguous(), group=group)
+    dist.all_gather_single(out, ids.contiguous(), group=group)
     return out.view(a, *ids.shape).transpose(0, 1).reshape(ids.shape[0], -1)
 
 
