@@ -60,3 +60,21 @@ def test_planner_picks_the_fastest_method_and_writes_it():
     c = evaluate(shape, Layout(1, 1, 16, 1, 1, "full", 1), device, 16, 131072, 1)
     assert (c.layout.cp_method, c.layout.cp_a2a_degree) == best
     assert f'context_parallel_method = "{best[0]}"' in c.layout.toml(131072, 1)
+
+
+def test_dry_run_reports_the_bytes_of_the_configured_method_and_the_others():
+    from torchtitan.planning.dry_run import dry_run, format_report
+    from torchtitan.protocols.train_spec import config_manager
+
+    cfg = config_manager().parse_args([
+        "--model.flavor", "debugmodel_tiny", "--training.seq_len", "2048", "--training.local_batch_size", "2",
+        "--parallelism.context_parallel_degree", "4", "--parallelism.context_parallel_method", "hierarchical",
+        "--parallelism.context_parallel_a2a_degree", "2", "--training.mixed_precision_param", "float32"])
+    report = dry_run(cfg, world_size=4)
+    # debugmodel_tiny: 4 q heads, 2 kv heads of 16; 2 x 2048 / 4 = 1024 tokens per rank; fp32; allgather ring.
+    f = dict(tokens=1024, hq=4, hkv=2, d=16, act_bytes=4, rotate="allgather")
+    want = {m: cp_bytes_per_layer(m, 4, a, **f) / 2**20 for m, a in (("hierarchical", 2), ("ring", 0), ("ulysses", 0))}
+    assert report.cp_comm == (f"context parallel hierarchical a2a 2 (cp 4): {want['hierarchical']:,.1f} MiB sent per "
+                              f"rank per attention layer and microbatch (forward + backward); ring "
+                              f"{want['ring']:,.1f} MiB, ulysses {want['ulysses']:,.1f} MiB")
+    assert report.cp_comm in format_report(report) and min(want.values()) > 0.5

@@ -102,3 +102,26 @@ def cp_block_time(device, network, method: str, a2a_degree: int, *, cp: int, tp:
         kv = tokens * cp * 2 * (hkv_split // a) * head_dim * act_bytes
         t += 3 * collective_time(device, ring, kv, cp * tp, network)
     return t
+
+
+def cp_comm_line(cfg, pd, shape, act_bytes: int) -> str | None:
+    """The dry run's line: MiB one rank sends per attention layer and microbatch (forward + backward) under
+    the configured CP method, and under the other methods that could run. `shape`: the model args'
+    TransformerShape (None: no line). None without context parallel."""
+    if pd.cp <= 1 or shape is None:
+        return None
+    t, p = cfg.training, cfg.parallelism
+    seqs = p.pipeline_parallel_microbatch_size if pd.pp > 1 else t.local_batch_size
+    f = dict(tokens=seqs * t.seq_len // pd.cp, hq=shape.n_heads // pd.tp, hkv=max(1, shape.n_kv_heads // pd.tp),
+             d=shape.head_dim, act_bytes=act_bytes, rotate=p.context_parallel_rotate_method,
+             documents=t.document_masking)
+
+    def mib(method: str, a2a: int) -> str:
+        return f"{cp_bytes_per_layer(method, pd.cp, a2a, **f) / 2**20:,.1f} MiB"
+
+    chosen = (p.context_parallel_method, p.context_parallel_a2a_degree)
+    others = [o for o in cp_options(pd.cp, pd.tp, shape.n_heads, pd.cp * pd.tp) if o != chosen]
+    name = {"ring": "ring", "ulysses": "ulysses"}
+    label = (lambda m, a: name.get(m, f"hierarchical a2a {a}"))
+    return (f"context parallel {label(*chosen)} (cp {pd.cp}): {mib(*chosen)} sent per rank per attention layer and "
+            f"microbatch (forward + backward); " + ", ".join(f"{label(*o)} {mib(*o)}" for o in others))
