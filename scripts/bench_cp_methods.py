@@ -153,8 +153,8 @@ def apply_warmup(model, rank: int, world_size: int) -> None:
     (The model's positions are fixed to its sequence length, so the warm-up runs the attention alone.)"""
     for block in model.layers.values():
         att = block.attention.inner_attention
-        q = torch.randn(1, 8, 256 // world_size, 16, requires_grad=True)
-        kv = torch.randn(1, 2, 256 // world_size, 16, requires_grad=True)
+        q = torch.randn(1, 4, 256 // world_size, 32, requires_grad=True)
+        kv = torch.randn(1, 2, 256 // world_size, 32, requires_grad=True)
         att(q, kv, kv).sum().backward()
         break
 
@@ -173,7 +173,7 @@ def _time_rank(rank: int, world_size: int, seq_lens: list[int], reps: int) -> di
     results = {}
     for seq in seq_lens:
         torch.manual_seed(0)
-        args = TransformerModelArgs(dim=128, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=2048,
+        args = TransformerModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=2048,
                                     multiple_of=64, max_seq_len=seq)
         base = Transformer(args)
         base.init_weights()
@@ -202,8 +202,8 @@ def _time_rank(rank: int, world_size: int, seq_lens: list[int], reps: int) -> di
 def bench_time(seq_lens: list[int], reps: int) -> None:
     from tests.multiprocess import run_ranks
 
-    res = run_ranks(_time_rank, 2, seq_lens, reps)[0]
-    print("forward + backward of a 2-layer Llama (dim 128, 8 q / 2 kv heads), batch 1, fp32, cp 2 on 2 gloo "
+    res = run_ranks(_time_rank, 2, seq_lens, reps, timeout=7200)[0]
+    print("forward + backward of a 2-layer Llama (dim 128, 4 q / 2 kv heads of 32), batch 1, fp32, cp 2 on 2 gloo "
           f"ranks, median of {reps}; ring = point-to-point rotation; ring runs its own fp32 blockwise math, ulysses the "
           "model's kernel (torch SDPA)")
     print("| seq_len | ring s | ulysses s | ring / ulysses |")

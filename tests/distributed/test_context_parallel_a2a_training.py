@@ -16,6 +16,7 @@ import pytest
 
 from tests.distributed.test_parity_2d import assert_parity, masked_reference  # noqa: F401 (a fixture)
 from tests.distributed.trainer_runs import DOCUMENT_MASKING, curves, train
+from tests.multiprocess import run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -78,3 +79,72 @@ def test_mla_ulysses_cp2_under_ep2_matches_single_process(tmp_path):
                      str(tmp_path / "cp"))
     assert len(steps) == len(steps_ref) == 5
     assert_parity(curves(steps), curves(steps_ref))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Every registered family, one step: gradients summed over cp equal the full sequence's
+# ---------------------------------------------------------------------------------------------------------
+
+GRAD_RTOL_OF_MAX = 1e-5  # as test_context_parallel_training: fp32 reordering noise is ~5e-7 of the largest entry
+
+
+def _families() -> list[str]:
+    from torchtitan.protocols.train_spec import _registered
+
+    return sorted(name for name, spec in _registered().items() if "debugmodel_tiny" in spec.flavors)
+
+
+def _logits(out):
+    """The token loss alone: an MoE family's output also carries an auxiliary loss, not compared here."""
+    return getattr(out, "logits", out)
+
+
+def _family_gradients(rank: int, world_size: int, families: list[str], method: str, a2a: int) -> dict:
+    """Per family, the worst max |CP gradient summed over cp - full gradient| / max |full gradient| over its
+    parameters. Every rank builds the family's tiny flavor from one seed and computes the reference on the
+    whole batch, then the CP model (Ulysses or hierarchical through the family's own parallelize's apply_cp)
+    on its load-balanced slice."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan.components.loss import cross_entropy_sum
+    from torchtitan.distributed.context_parallel import shard_batch
+    from torchtitan.distributed.parallelize import apply_cp
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    seq = 64
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    worst = {}
+    for family in families:
+        spec = get_train_spec(family)
+        torch.manual_seed(0)
+        model = spec.model_cls(spec.flavors["debugmodel_tiny"])
+        model.init_weights()
+        gen = torch.Generator().manual_seed(1)
+        inputs, labels = (torch.randint(0, 2048, (2, seq), generator=gen) for _ in range(2))
+        (cross_entropy_sum(_logits(model(inputs)), labels) / labels.numel()).backward()
+        cp_model = copy.deepcopy(model)
+        cp_model.zero_grad()
+        apply_cp(cp_model, mesh, seq_len=seq, rotate_method="alltoall", method=method, a2a_degree=a2a)
+        local_inputs, local_labels = shard_batch((inputs, labels), rank, world_size)
+        (cross_entropy_sum(_logits(cp_model(local_inputs)), local_labels) / labels.numel()).backward()
+        errors = []
+        for (name, p), ref in zip(cp_model.named_parameters(), model.parameters(), strict=True):
+            if ref.grad is None or not ref.grad.abs().max() > 0:
+                continue
+            dist.all_reduce(p.grad)
+            errors.append((float((p.grad - ref.grad).abs().max() / ref.grad.abs().max()), name))
+        worst[family] = max(errors)
+    return worst
+
+
+@pytest.mark.parametrize("cp,method,a2a", [(2, "ulysses", 0), (4, "hierarchical", 2)])
+def test_every_family_gradients_match_the_full_sequence(cp, method, a2a):
+    families = _families()
+    assert {"llama3", "qwen3", "qwen3_moe", "deepseek_v3"} <= set(families)
+    for worst in run_ranks(_family_gradients, cp, families, method, a2a):
+        for family, (error, name) in worst.items():
+            assert error < GRAD_RTOL_OF_MAX, f"{family} {name}: {error:.2e}"
