@@ -14,7 +14,7 @@ still trains, only the parity check can notice, and it must.
 
 import pytest
 
-from tests.distributed.test_parity_2d import assert_parity, masked_reference  # noqa: F401 (a fixture)
+from tests.distributed.test_parity_2d import assert_parity, masked_reference, reference  # noqa: F401 (fixtures)
 from tests.distributed.trainer_runs import DOCUMENT_MASKING, curves, train
 from tests.multiprocess import run_ranks
 
@@ -38,7 +38,7 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_single_process_with_document_masking(layout, masked_reference, tmp_path):
+def test_layout_matches_single_process_with_document_masking(layout, masked_reference, tmp_path):  # noqa: F811
     world, argv = LAYOUTS[layout]
     steps, _ = train(world, argv + DOCUMENT_MASKING, str(tmp_path))
     assert_parity(curves(steps), masked_reference)
@@ -68,6 +68,13 @@ def test_parity_catches_the_wrong_shard_returned(masked_reference, tmp_path):
     assert len(steps) == 10
     with pytest.raises(AssertionError):
         assert_parity(curves(steps), masked_reference)
+
+
+def test_ulysses_pp2_cp2_matches_single_process(reference, tmp_path):  # noqa: F811 (the fixture)
+    """Pipeline stages each get the all-to-all kernel (apply_cp runs per model part)."""
+    argv = _cp(2, "ulysses") + ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"]
+    steps, _ = train(4, argv, str(tmp_path))
+    assert_parity(curves(steps), reference)
 
 
 MLA_MOE = ["--model.name", "deepseek_v3", "--training.steps", "5", "--training.local_batch_size", "4"]
