@@ -67,6 +67,19 @@ def _compare(rank: int, world_size: int, method: str, a2a_degree: int) -> None:
             for name in got:
                 torch.testing.assert_close(got[name], want[name], atol=ATOL, rtol=RTOL,
                                            msg=lambda m: f"hkv={hkv} v_dim={v_dim} docs={doc is not None} {name}: {m}")
+    if method == "ulysses":
+        # A per-head kernel input (attention sinks) reaches the kernel cut to this rank's head shard.
+        seen = {}
+
+        def recorder(q, k, v, sinks):
+            seen["sinks"] = sinks
+            return q
+
+        wrapped = cp_attention_factory(mesh, method, a2a_degree, "alltoall")(recorder)
+        q = torch.zeros(1, hq, seq // world_size, dim)
+        wrapped(q, q, q, sinks=torch.arange(hq))
+        share = hq // world_size
+        assert seen["sinks"].tolist() == list(range(rank * share, (rank + 1) * share))
     dist.barrier()
 
 

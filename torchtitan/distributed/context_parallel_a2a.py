@@ -20,8 +20,9 @@ each group) on the head shards, and Ulysses is its special case R = 1 with the m
 
 Grouped-query attention. The group must divide the query heads the rank holds (after tensor parallel). k/v
 heads are split as they are when A divides them; otherwise each is repeated just enough times
-(A / gcd(A, Hkv)) that A divides their count, keeping query head h's key head the same. A kernel with
-per-head parameters (sinks) sees the query heads [j*H/A, (j+1)*H/A) of the rank's heads on group rank j.
+(A / gcd(A, Hkv)) that A divides their count, keeping query head h's key head the same. Group
+rank j attends with the query heads [j*H/A, (j+1)*H/A) of the rank's heads; per-head kernel inputs
+(PER_HEAD_KWARGS, e.g. sinks) are cut to them.
 """
 
 import math
@@ -38,6 +39,8 @@ from torchtitan.distributed.parallel_dims import LayoutError
 
 CPMethod = Literal["ring", "ulysses", "hierarchical"]
 CP_METHODS = ("ring", "ulysses", "hierarchical")
+PER_HEAD_KWARGS = ("sinks",)
+"""Keyword inputs of an attention kernel that hold one entry per query head (e.g. attention sinks)."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -174,19 +177,26 @@ class AllToAllAttention(nn.Module):
         self.kernel = kernel if ring_group is None else ContextParallelAttention(ring_group, rotate_method)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None,
+        **kernel_kwargs,
     ) -> torch.Tensor:
+        """kernel_kwargs go to the kernel; those named in PER_HEAD_KWARGS ([Hq, ...] tensors, one entry per
+        query head of the rank) are cut to this group rank's head shard first."""
         a = dist.get_world_size(self.a2a_group)
         if q.shape[1] % a:
             raise ValueError(f"an all-to-all group of {a} ranks cannot split {q.shape[1]} query heads")
+        shard = q.shape[1] // a
+        first = dist.get_rank(self.a2a_group) * shard
+        kernel_kwargs = {name: value.narrow(0, first, shard) if name in PER_HEAD_KWARGS else value
+                         for name, value in kernel_kwargs.items()}
         k, v = _repeat_kv_for_group(k, a), _repeat_kv_for_group(v, a)
         order = group_order(q.shape[2], a, q.device)
         q, k, v = (sequence_to_heads(t, self.a2a_group).index_select(2, order) for t in (q, k, v))
         if document_ids is None:
-            out = self.kernel(q, k, v)
+            out = self.kernel(q, k, v, **kernel_kwargs)
         else:
             ids = _gather_ids(document_ids, self.a2a_group).index_select(1, order)
-            out = self.kernel(q, k, v, ids)
+            out = self.kernel(q, k, v, ids, **kernel_kwargs)
         return heads_to_sequence(out.index_select(2, torch.argsort(order)), self.a2a_group)
 
     def extra_repr(self) -> str:
