@@ -133,3 +133,55 @@ def test_preflight_refuses_bad_cp_methods_in_one_line(argv, code, start, capsys)
         assert err == ""
         return
     assert err.count("\n") == 0 and err.startswith(start), err
+
+
+def _saved_activation_bytes(rank: int, world_size: int, seq: int, method: str) -> int:
+    """Bytes autograd keeps over one forward of debugmodel_tiny (parameters excluded), this rank's slice."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan.distributed.context_parallel import shard_batch
+    from torchtitan.distributed.parallelize import apply_cp
+    from torchtitan.models.llama3.flavors import llama3_flavors
+    from torchtitan.models.llama3.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(llama3_flavors["debugmodel_tiny"])
+    model.init_weights()
+    if world_size > 1:
+        apply_cp(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",)), seq_len=seq,
+                 rotate_method="alltoall", method=method)
+    else:  # RoPE rows gathered by position as under CP (not a view of the whole table), so bytes halve exactly
+        model.fixed_positions = torch.arange(seq)
+    tokens = torch.randint(0, 2048, (1, seq), generator=torch.Generator().manual_seed(1))
+    (local,) = shard_batch((tokens,), rank, world_size)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(local)
+    return sum(storages.values())
+
+
+@pytest.mark.distributed
+def test_memory_estimator_counts_the_extra_attention_output_of_ulysses():
+    """Ulysses keeps, beyond 1/cp of the one-process activations, the head-sharded attention output: the
+    estimator's extra D per token per block (planning/memory.py), plus two small index vectors per block."""
+    from torchtitan.models.llama3.flavors import llama3_flavors
+    from torchtitan.planning.memory import ModelShape, RankWork, StateBytes, estimate_memory
+
+    seq, cp = 512, 2
+    whole = run_ranks(_saved_activation_bytes, 1, seq, "ring")[0]
+    ulysses = max(run_ranks(_saved_activation_bytes, cp, seq, "ulysses"))
+    shape = ModelShape.from_args(llama3_flavors["debugmodel_tiny"])
+    work = dict(tokens_per_microbatch=seq, blocks=2, cp=cp, ac="none", act_bytes=4)
+    state = StateBytes(0, 0, 0, 0)
+    extra = (estimate_memory(shape, state, RankWork(**work, cp_all_to_all=True)).components["activations"]
+             - estimate_memory(shape, state, RankWork(**work)).components["activations"])
+    assert extra == seq // cp * 64 * 2 * 4
+    index_vectors = 2 * seq * 8 * 2  # group order and its inverse, int64, per block
+    assert extra <= ulysses - whole / cp <= 1.1 * (extra + index_vectors), (ulysses - whole / cp, extra)
