@@ -21,6 +21,7 @@ from torchtitan.components.quantization import ModelConverters, build_model_conv
 from torchtitan.config import JobConfig
 from torchtitan.distributed.activation_checkpoint import check_ac_config
 from torchtitan.distributed.compile import check_compile_config, compiles
+from torchtitan.distributed.context_parallel_a2a import check_cp_method
 from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims, parallel_dims_from_config
 from torchtitan.distributed.parallel_dims import device_type as parallel_dims_device_type
 from torchtitan.distributed.pipeline import PipelinePlan, plan_model_pipeline
@@ -57,6 +58,9 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
     spec, tokenizer, model_args = resolve_model(cfg, tokenizer)
     pd = parallel_dims_from_config(cfg.parallelism, world_size)
     pd.check_model(model_args.divisible_by())
+    par = cfg.parallelism
+    check_cp_method(par.context_parallel_method, par.context_parallel_a2a_degree, pd.cp, pd.tp,
+                    model_args.divisible_by().get("tp", {}).get("n_heads"))
     t = cfg.training
     global_bs = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * pd.dp
     accum = pd.check_batch(seq_len=t.seq_len, global_batch_size=global_bs, local_batch_size=t.local_batch_size)

@@ -287,12 +287,25 @@ class Parallelism:
     "output"]]."""
 
     context_parallel_degree: int = 1
-    """Ranks each sequence is split over (ring attention). seq_len must be a multiple of 2 x this degree
+    """Ranks each sequence is split over. seq_len must be a multiple of 2 x this degree
     (x tensor_parallel_degree). See docs/context_parallel.md."""
 
+    context_parallel_method: Literal["ring", "ulysses", "hierarchical"] = "ring"
+    """How attention sees the whole sequence under context parallel. "ring": ring attention, k/v shards
+    travel around the cp ranks (any head count; moves ~(cp-1)/cp of the sequence's k/v per layer).
+    "ulysses": an all-to-all turns sequence shards into head shards, the model's own attention kernel runs
+    over the whole sequence for heads/cp heads, a second all-to-all returns sequence shards (moves ~4/cp of
+    the activations per layer; cp must divide the heads each tensor-parallel rank holds). "hierarchical":
+    ulysses inside groups of context_parallel_a2a_degree ranks, ring across the groups."""
+
+    context_parallel_a2a_degree: int = 0
+    """Ranks of one all-to-all group: 0 = all cp ranks for "ulysses"; "hierarchical" needs a divisor of
+    context_parallel_degree above 1 (a node's fast links), and the ring spans degree/a2a_degree groups."""
+
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
-    """How key/value shards travel around the context-parallel ring: "allgather" gathers every rank's k/v once
-    per layer (keeps O(seq_len) k/v per rank for backward); "alltoall" passes shards rank to rank (keeps only
+    """How key/value shards travel around the ring (methods "ring" and "hierarchical"): "allgather" gathers
+    every ring rank's k/v once per layer (keeps O(seq_len) k/v per rank for backward); "alltoall" passes
+    shards rank to rank by point-to-point sends, a ring rotation, not the all-to-all of "ulysses" (keeps only
     the local O(seq_len/cp) shard: use it for long sequences)."""
 
 

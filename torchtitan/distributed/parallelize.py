@@ -5,7 +5,8 @@ which TP style. `parallelize(model, parallel_dims, job_config, plan)` applies, t
 pipeline stage (distributed.pipeline cuts the model first and calls the family's parallelize_fn per stage):
 
   CP       every attention kernel (a block's submodule named `inner_attention`) becomes ring attention over
-           the cp ranks, and the model's `fixed_positions` the global positions of this rank's slice.
+           the cp ranks, or the Ulysses / hierarchical all-to-all around it (parallelism.context_parallel_method),
+           and the model's `fixed_positions` the global positions of this rank's slice.
   TP       the model-level plan every family shares (embedding row-wise, final norm sequence-parallel, output
            column-wise with loss parallel) and the family's block plan; float8 styles where Float8 TP is on,
            async TP where configured. Between blocks activations are sequence shards (Shard(1)).
@@ -47,7 +48,8 @@ from torchtitan.components.quantization.float8 import uses_float8_tensor_paralle
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile, check_compile_config, compiles, enable_async_tp
-from torchtitan.distributed.context_parallel import ContextParallelAttention, RotateMethod, load_balanced_indices
+from torchtitan.distributed.context_parallel import RotateMethod, load_balanced_indices
+from torchtitan.distributed.context_parallel_a2a import CPMethod, cp_attention_factory
 from torchtitan.distributed.data_parallel import apply_fsdp
 from torchtitan.distributed.expert_parallel import apply_ep, moe_tp_plan
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -186,14 +188,17 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: ParallelPlan, *, loss_
                 setattr(block.get_submodule(owner_name), attr, lambda t, g=group: _SumGradOverGroup.apply(t, g))
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, seq_len: int, rotate_method: RotateMethod) -> None:
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, seq_len: int, rotate_method: RotateMethod,
+             method: CPMethod = "ring", a2a_degree: int = 0) -> None:
     """Context parallel: this rank sees the load-balanced slice of every sequence (see `shard_batch`).
 
-    Every block's attention kernel (`inner_attention`) becomes ring attention over the cp group, and the
+    Every block's attention kernel (`inner_attention`) becomes ring attention over the cp group (or, by
+    `method`, the all-to-all of distributed.context_parallel_a2a around the kernel itself), and the
     model's default positions become the global positions of the slice, so RoPE rotates each token by its true
     position. Under TP + sequence parallel the attention input is the TP-all-gathered cp slice, which has
     exactly these positions; the sequence-parallel shards between blocks never index RoPE."""
     cp_rank, cp_size = cp_mesh.get_local_rank(), cp_mesh.size()
+    cp_kernel = cp_attention_factory(cp_mesh, method, a2a_degree, rotate_method)
     for block in model.layers.values():
         kernels = [name for name, _ in block.named_modules() if name.rpartition(".")[2] == "inner_attention"]
         if not kernels:
@@ -201,7 +206,7 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, seq_len: int, rotate_meth
         for name in kernels:
             owner_name = name.rpartition(".")[0]
             owner = block.get_submodule(owner_name) if owner_name else block
-            owner.inner_attention = ContextParallelAttention(cp_mesh.get_group(), rotate_method)
+            owner.inner_attention = cp_kernel(owner.inner_attention)
     # A plain attribute, not a buffer: `to_empty` would leave a buffer uninitialised, so it is created directly
     # on this rank's device (the model itself may still be on meta here).
     model.fixed_positions = load_balanced_indices(seq_len, cp_size, cp_rank).to(_rank_device(cp_mesh))
@@ -230,7 +235,9 @@ def parallelize(
     compile_model = compiles(job_config, "model")
     if pd.cp_enabled:
         cp(model, pd.submesh("cp"), seq_len=job_config.training.seq_len,
-           rotate_method=job_config.parallelism.context_parallel_rotate_method)
+           rotate_method=job_config.parallelism.context_parallel_rotate_method,
+           method=job_config.parallelism.context_parallel_method,
+           a2a_degree=job_config.parallelism.context_parallel_a2a_degree)
     if pd.tp_enabled:
         if job_config.parallelism.enable_async_tensor_parallel:
             enable_async_tp(pd.submesh("tp"))

@@ -36,6 +36,7 @@ from torchtitan.components.muon_distributed import owner_bytes
 from torchtitan.config import JobConfig
 from torchtitan.errors import USER_ERRORS
 from torchtitan.job_plan import JobPlan, plan_job
+from torchtitan.planning.cp_comm import cp_comm_line
 from torchtitan.planning.hardware import Device, headroom_note, memory_limit
 from torchtitan.planning.memory import MUON_STEP_COMPONENT, MemoryEstimate, ModelShape, StateBytes, estimate_memory, rank_work
 from torchtitan.protocols.model_shape import base_model_args
@@ -84,6 +85,8 @@ class DryRunReport:
     errors: list[str]
     seconds: float
     plan: JobPlan | None = None
+    cp_comm: str | None = None
+    """Bytes per rank per attention layer of the configured context-parallel method and its alternatives."""
 
 
 def default_ranks(pp: int, world_size: int) -> list[int]:
@@ -299,6 +302,7 @@ def dry_run(
     report.layout = " x ".join(
         f"{name} {getattr(pd, name)}" for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if getattr(pd, name) > 1
     ) or "single rank"
+    report.cp_comm = cp_comm_line(cfg, pd, plan.model_args.transformer_shape(), plan.precision.mixed.itemsize)
     wanted = list(ranks) if ranks is not None else default_ranks(pd.pp, world_size)
     bad = [r for r in wanted if not 0 <= r < world_size]
     if bad:
@@ -343,5 +347,7 @@ def format_report(report: DryRunReport) -> str:
         for r in report.ranks:
             if r.memory is not None:
                 lines.append(f"estimated peak memory of rank {r.rank}:\n{r.memory.table()}")
+    if report.cp_comm:
+        lines.append(report.cp_comm)
     lines += [f"error: {e}" for e in report.errors] or ["no validation errors"]
     return "\n".join(lines)

@@ -22,7 +22,9 @@ docs/planning.md) and exact there:
     AC selective op   5 D + 2 KV + 2 H + h   (matmul and attention outputs only)
     AC full           D                      (the block input)
 Tensor parallel with sequence parallel divides everything by tp except, without AC, the two all-gathered
-norm outputs the attention and FFN projections keep (2 D). Context parallel divides tokens by cp.
+norm outputs the attention and FFN projections keep (2 D). Context parallel divides tokens by cp; by
+all-to-all (ulysses / hierarchical) without AC a block keeps one more D: the attention kernel's output on
+head shards, beside the sequence-sharded copy the output projection keeps (measured: docs/context_parallel.md).
 """
 
 import dataclasses
@@ -117,6 +119,9 @@ class RankWork:
     loss_chunk_tokens: int = 0
     """Chunked loss (training.loss_chunk_size): tokens of one chunk (its positions x the microbatch's
     sequences); 0 = the plain loss over the whole microbatch."""
+    cp_all_to_all: bool = False
+    """Context parallel by all-to-all (ulysses / hierarchical): without AC each block also keeps the
+    head-sharded attention output beside the sequence-sharded copy its output projection keeps."""
 
 
 @dataclasses.dataclass
@@ -157,6 +162,8 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
     tokens = w.tokens_per_microbatch / w.cp
     vocab_local = shape.vocab / w.tp
     blocks = block_elems_per_token(shape, w.ac, w.tp) * w.blocks * w.act_bytes
+    if w.cp_all_to_all and w.cp > 1 and w.ac == "none":
+        blocks += (shape.q_dim or shape.dim) / w.tp * w.blocks * w.act_bytes
     chunked = 0 < w.loss_chunk_tokens < tokens
     # The plain loss keeps the fp32 log-softmax (V per token) for backward; the chunked one keeps nothing.
     outside = (shape.dim * w.act_bytes / w.tp if w.holds_embedding else 0) + (
@@ -319,4 +326,5 @@ def rank_work(cfg, parallel_dims, grad_accum: int, *, blocks: int, holds_embeddi
         act_bytes=act_bytes, gathered_param_bytes=act_bytes, on_gpu=on_gpu,
         unsharded_grad_params=fsdp * fsdp_shard_params if fsdp > 1 and grads_live else 0,
         params_stay_gathered=pd.pp_enabled, pp_recv_buffers=recv, loss_chunk_tokens=chunk_tokens,
+        cp_all_to_all=p.context_parallel_method != "ring",
     )

@@ -13,6 +13,7 @@ import math
 from torchtitan.config.job_config import Parallelism
 from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims
 from torchtitan.distributed.pipeline import plan_pipeline
+from torchtitan.planning.cp_comm import cp_block_time, cp_options
 from torchtitan.planning.hardware import FLAT_NETWORK, Device, Network, headroom_note, memory_limit
 from torchtitan.planning.memory import (
     MemoryEstimate,
@@ -100,6 +101,10 @@ class Layout:
     layers_per_stage: int | None = None
     """Interleaved schedules: units of compute per stage (pipeline_parallel_layers_per_stage); None = 2
     stages per rank."""
+    cp_method: str = "ring"
+    """parallelism.context_parallel_method; `evaluate` picks the fastest that can run (planning/cp_comm.py)."""
+    cp_a2a_degree: int = 0
+    """parallelism.context_parallel_a2a_degree (hierarchical CP)."""
 
     def toml(self, seq_len: int, global_batch_size: int, features: Features = Features()) -> str:
         ac = {"none": 'mode = "none"', "full": 'mode = "full"',
@@ -111,6 +116,10 @@ class Layout:
             f"data_parallel_shard_degree = {self.dp_shard}", f"tensor_parallel_degree = {self.tp}",
             f"context_parallel_degree = {self.cp}", f"pipeline_parallel_degree = {self.pp}",
         ]
+        if self.cp > 1 and self.cp_method != "ring":
+            lines.append(f'context_parallel_method = "{self.cp_method}"')
+            if self.cp_method == "hierarchical":
+                lines.append(f"context_parallel_a2a_degree = {self.cp_a2a_degree}")
         if self.pp > 1:
             lines += [f'pipeline_parallel_schedule = "{self.schedule}"',
                       f"pipeline_parallel_microbatch_size = {self.microbatch_size}"]
@@ -129,6 +138,8 @@ class Layout:
         parts = [f"{n} {v}" for n, v in (("pp", self.pp), ("dp_replicate", self.dp_replicate),
                                          ("dp_shard", self.dp_shard), ("cp", self.cp), ("tp", self.tp)) if v > 1]
         s = " x ".join(parts) or "1 rank"
+        if self.cp > 1 and self.cp_method != "ring":
+            s += f" (cp {self.cp_method}" + (f", a2a {self.cp_a2a_degree})" if self.cp_a2a_degree else ")")
         s += f", AC {'selective op' if self.ac == 'op' else self.ac}"
         if self.pp > 1:
             s += f", {self.schedule} {self.local_batch_size // self.microbatch_size} microbatches of {self.microbatch_size}"
@@ -328,9 +339,14 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
             comm -= min(ASYNC_TP_HIDDEN * comm, linears)
         exposed["TP"] = blocks_per_rank * passes * comm
     if L.cp > 1:
-        kv = tokens_mb * L.cp * 2 * shape.kv_dim * ACT_BYTES  # K and V of the whole sequence
-        per = collective_time(device, L.cp, kv, L.cp * L.tp, network)
-        exposed["CP"] = blocks_per_rank * passes * 3 * per
+        # The CP method is the planner's pick for this network: the fastest that can run (planning/cp_comm.py).
+        cp_times = {opt: cp_block_time(device, network, *opt, cp=L.cp, tp=L.tp, tokens=tokens_mb,
+                                       n_heads=shape.n_heads, kv_heads=shape.kv_dim // head_dim,
+                                       head_dim=head_dim, act_bytes=ACT_BYTES)
+                    for opt in cp_options(L.cp, L.tp, shape.n_heads, device.gpus_per_node)}
+        (method, a2a), per_block = min(cp_times.items(), key=lambda kv: kv[1])
+        layout = dataclasses.replace(L, cp_method=method, cp_a2a_degree=a2a)
+        exposed["CP"] = blocks_per_rank * passes * per_block
     bubble = 0.0
     if L.pp > 1:
         v = plan.stages_per_rank
