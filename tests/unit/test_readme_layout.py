@@ -3,6 +3,7 @@ and every folder of the repository root, of torchtitan/, of torchtitan/models/ a
 new model family or package joins the README when it joins the tree)."""
 
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,8 +35,25 @@ def layout_entries(readme: str) -> dict[str, str]:
     return entries
 
 
+def _tracked_files() -> list[str] | None:
+    """The repository's tracked files (relative paths), or None outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.splitlines()
+
+
 def _subfolders(path: Path) -> set[str]:
-    return {p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
+    """Folders under `path` that belong to the project: with git, those holding a tracked file (not what an
+    install or a run leaves, e.g. torchtitan.egg-info/ from `pip install -e .`)."""
+    tracked = _tracked_files()
+    if tracked is None:
+        return {p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
+    rel = path.relative_to(ROOT).as_posix()
+    prefix = "" if rel == "." else rel + "/"
+    names = {f[len(prefix):].split("/", 1)[0] for f in tracked if f.startswith(prefix) and "/" in f[len(prefix):]}
+    return {n for n in names if not n.startswith((".", "__"))}
 
 
 def layout_problems(readme: str) -> list[str]:
