@@ -30,6 +30,12 @@ class MoEArgs:
     much towards the mean load (up when under-loaded, down when over-loaded); 0 turns it off."""
     aux_loss_alpha: float = 0.0
     """Weight of the sequence-wise balance loss (DeepSeek-V3: 1e-4); 0 turns it off."""
+    shared_hidden_dim: int = 0
+    """SwiGLU width of the shared experts when it is not num_shared_experts x hidden_dim (Qwen3.5-MoE's
+    `shared_expert_intermediate_size`); 0 = num_shared_experts x hidden_dim."""
+    shared_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid(a learned linear of the token) (Qwen2/3.5-MoE's
+    `shared_expert_gate`)."""
 
     def check(self) -> None:
         if self.score_func not in ("softmax", "sigmoid"):
