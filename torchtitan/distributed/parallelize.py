@@ -51,6 +51,7 @@ from torchtitan.distributed.compile import apply_compile, check_compile_config, 
 from torchtitan.distributed.context_parallel import ContextParallelAttention, RotateMethod, load_balanced_indices
 from torchtitan.distributed.data_parallel import apply_fsdp
 from torchtitan.distributed.expert_parallel import apply_ep, moe_tp_plan
+from torchtitan.distributed.linear_attention_cp import StatePassingLinearAttention
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.tools.precision import fsdp_dtypes
 
@@ -205,7 +206,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: ParallelPlan, *, loss_
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, seq_len: int, rotate_method: RotateMethod) -> None:
     """Context parallel: this rank sees the load-balanced slice of every sequence (see `shard_batch`).
 
-    Every block's attention kernel (`inner_attention`) becomes ring attention over the cp group, and the
+    Every block's attention kernel (`inner_attention`) becomes its context-parallel form over the cp group
+    (ring attention; state passing for linear attention, see `_cp_kernel`), and the
     model's default positions become the global positions of the slice, so RoPE rotates each token by its true
     position. Under TP + sequence parallel the attention input is the TP-all-gathered cp slice, which has
     exactly these positions; the sequence-parallel shards between blocks never index RoPE."""
@@ -217,10 +219,18 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, seq_len: int, rotate_meth
         for name in kernels:
             owner_name = name.rpartition(".")[0]
             owner = block.get_submodule(owner_name) if owner_name else block
-            owner.inner_attention = ContextParallelAttention(cp_mesh.get_group(), rotate_method)
+            owner.inner_attention = _cp_kernel(owner.inner_attention, cp_mesh.get_group(), rotate_method)
     # A plain attribute, not a buffer: `to_empty` would leave a buffer uninitialised, so it is created directly
     # on this rank's device (the model itself may still be on meta here).
     model.fixed_positions = load_balanced_indices(seq_len, cp_size, cp_rank).to(_rank_device(cp_mesh))
+
+
+def _cp_kernel(kernel: nn.Module, group: dist.ProcessGroup, rotate_method: RotateMethod) -> nn.Module:
+    """The context-parallel form of an attention kernel, chosen by its kind: state passing for linear
+    attention (a recurrent state crosses the sequence), ring attention for softmax attention."""
+    if getattr(kernel, "kind", None) == "linear_attention":
+        return StatePassingLinearAttention(group, kernel)
+    return ContextParallelAttention(group, rotate_method)
 
 
 def _rank_device(mesh: DeviceMesh) -> torch.device:

@@ -70,13 +70,25 @@ def short_conv(
 
 class GatedDeltaRuleKernel(nn.Module):
     """conv + SiLU, L2-norm of q/k, and the chunked gated delta rule: everything that mixes tokens along the
-    sequence. Context parallel replaces it (by `kind`) with a state-passing module of the same signature."""
+    sequence. Context parallel wraps it (by `kind`) in a state-passing module of the same signature, which
+    calls its three steps (`conv`, `heads`, `scan`) piece by piece (distributed/linear_attention_cp.py)."""
 
     kind = "linear_attention"
 
     def __init__(self, chunk_size: int = 64):
         super().__init__()
         self.chunk_size = chunk_size
+
+    conv = staticmethod(short_conv)
+
+    @staticmethod
+    def heads(q, k, v, head_dims):
+        return split_heads(q, k, v, head_dims)
+
+    def scan(self, q, k, v, g, beta, initial_state=None, resets=None):
+        """The chunked gated delta rule: (o [B, S, Hv, dv'], final state [B, Hv, dk, dv'])."""
+        return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size,
+                                      initial_state=initial_state, resets=resets)
 
     def forward(
         self,
@@ -93,8 +105,7 @@ class GatedDeltaRuleKernel(nn.Module):
         ([C, 1, K] each); head_dims (dk, dv). Returns o [B, S, Hv, dv]."""
         q, k, v = (short_conv(t, w, document_ids) for t, w in zip((q, k, v), conv_weights))
         q, k, v = split_heads(q, k, v, head_dims)
-        resets = document_resets(document_ids) if document_ids is not None else None
-        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, resets=resets)
+        o, _ = self.scan(q, k, v, g, beta, resets=document_resets(document_ids) if document_ids is not None else None)
         return o
 
     def extra_repr(self) -> str:
