@@ -32,7 +32,8 @@ def _debug(dim: int, n_layers: int, moe: MoEArgs | None = None, tie: bool = Fals
     return Qwen3_5ModelArgs(
         dim=dim, n_layers=n_layers, vocab_size=2048, max_seq_len=2048, tie_embeddings=tie, hidden_dim=3 * dim,
         n_heads=4, n_kv_heads=2, head_dim=32, rope_theta=10_000_000.0, partial_rotary_factor=0.5,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24,
+        # 8 value heads: in_proj_a/b (one row per value head) then take LoRA's default rank 8.
+        linear_num_key_heads=2, linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=8,
         linear_conv_kernel_dim=4, linear_chunk_size=16, moe=moe,
     )
 
