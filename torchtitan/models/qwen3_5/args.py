@@ -31,7 +31,8 @@ class Qwen3_5ModelArgs(BaseModelArgs):
     hidden_dim: int = 3584
     """SwiGLU width of the dense feed-forward (HF `intermediate_size`); unused by MoE flavors."""
     layer_types: tuple[str, ...] = ()
-    """Kind of each layer, `linear_attention` or `full_attention`; empty = every 4th layer full."""
+    """Kind of each layer, `linear_attention` or `full_attention`; empty = every 4th layer full. As an override:
+    `--model.overrides layer_types=linear_attention+full_attention`."""
     # Full (gated softmax) attention.
     n_heads: int = 8
     n_kv_heads: int = 2
@@ -59,18 +60,21 @@ class Qwen3_5ModelArgs(BaseModelArgs):
     `model.language_model.` (the multimodal Qwen3_5ForConditionalGeneration folders); read from config.json."""
 
     def __post_init__(self):
-        if not self.layer_types:
-            self.layer_types = interval_layer_types(self.n_layers, 4)
         self.layer_types = tuple(self.layer_types)
-        self.check()
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """layer_types, or the default rule (every 4th layer full) when they are not given."""
+        return self.layer_types or interval_layer_types(self.n_layers, 4)
 
     def check(self) -> None:
-        """One line per impossible shape (these args come from flavors and from HF configs)."""
-        bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+        """One line per impossible shape (flavors, HF configs and --model.overrides all come through here: the
+        model calls it when built, plan_job before any rank starts)."""
+        bad = sorted({t for t in self.layer_kinds if t not in LAYER_TYPES})
         if bad:
             raise ValueError(f"Qwen3.5 layer_types: unknown layer type {bad[0]!r}; each must be one of {LAYER_TYPES}")
-        if len(self.layer_types) != self.n_layers:
-            raise ValueError(f"Qwen3.5: {len(self.layer_types)} layer_types for {self.n_layers} layers; give one per layer")
+        if len(self.layer_kinds) != self.n_layers:
+            raise ValueError(f"Qwen3.5: {len(self.layer_kinds)} layer_types for {self.n_layers} layers; give one per layer")
         if self.linear_conv_kernel_dim < 1:
             raise ValueError(f"Qwen3.5: linear_conv_kernel_dim must be >= 1, got {self.linear_conv_kernel_dim}")
         if self.linear_num_value_heads % self.linear_num_key_heads:
@@ -90,7 +94,7 @@ class Qwen3_5ModelArgs(BaseModelArgs):
 
     @property
     def n_full(self) -> int:
-        return sum(t == "full_attention" for t in self.layer_types)
+        return sum(t == "full_attention" for t in self.layer_kinds)
 
     def flops_per_token(self, num_non_embedding_params: int, seq_len: int) -> int:
         """6 FLOPs per active matmul parameter (a tied output counts: it is a matmul), plus, per token:
@@ -119,6 +123,7 @@ class Qwen3_5ModelArgs(BaseModelArgs):
         """Resized for a job (the embedding keeps its padded rows when the tokenizer fits). Refused, in one
         line: a tied flavor under pipeline parallel (embedding and output on different stages), and context
         parallel slices shorter than the conv window (the halo comes from the previous slice only)."""
+        self.check()
         p = job_config.parallelism
         if self.tie_embeddings and p.pipeline_parallel_degree > 1:
             raise LayoutError(
@@ -127,7 +132,7 @@ class Qwen3_5ModelArgs(BaseModelArgs):
                 f"train it with FSDP/TP/CP instead, or pick an untied flavor"
             )
         cp = p.context_parallel_degree
-        if cp > 1 and any(t == "linear_attention" for t in self.layer_types):
+        if cp > 1 and any(t == "linear_attention" for t in self.layer_kinds):
             piece = job_config.training.seq_len // (2 * cp)
             if piece < self.linear_conv_kernel_dim - 1:
                 raise LayoutError(

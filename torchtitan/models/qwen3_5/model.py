@@ -49,7 +49,7 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     def __init__(self, layer_id: int, args: Qwen3_5ModelArgs):
         super().__init__()
-        self.kind = args.layer_types[layer_id]
+        self.kind = args.layer_kinds[layer_id]
         self.attention_norm = ZeroCenteredRMSNorm(args.dim, eps=args.norm_eps)
         self.attention = GatedDeltaNet(args) if self.kind == "linear_attention" else GatedAttention(args)
         self.ffn_norm = ZeroCenteredRMSNorm(args.dim, eps=args.norm_eps)
@@ -88,6 +88,7 @@ class Qwen3_5(nn.Module):
 
     def __init__(self, args: Qwen3_5ModelArgs):
         super().__init__()
+        args.check()
         self.model_args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): Block(i, args) for i in range(args.n_layers)})

@@ -194,7 +194,7 @@ class Qwen3_5StateDictAdapter(StateDictAdapter):
             "attention_bias": False,
             "attention_dropout": 0.0,
             "tie_word_embeddings": args.tie_embeddings,
-            "layer_types": list(args.layer_types),
+            "layer_types": list(args.layer_kinds),
             "linear_conv_kernel_dim": args.linear_conv_kernel_dim,
             "linear_key_head_dim": args.linear_key_head_dim,
             "linear_value_head_dim": args.linear_value_head_dim,
@@ -281,6 +281,8 @@ class Qwen3_5StateDictAdapter(StateDictAdapter):
         )
         r.finish()
         try:
-            return Qwen3_5ModelArgs(**args)
+            out = Qwen3_5ModelArgs(**args)
+            out.check()
         except ValueError as e:
             raise UnsupportedHFConfig(f"{where}: {e}") from e
+        return out
