@@ -108,21 +108,25 @@ def chunk_gated_delta_rule(
 
     kb = k * beta.unsqueeze(-1)
     lower = (kb @ k.transpose(-1, -2)) * decay  # its diagonal is ignored by the unitriangular solve
-    u0 = torch.linalg.solve_triangular(lower, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(lower, kb * gamma.unsqueeze(-1), upper=False, unitriangular=True)
+    # One solve for both right-hand sides: T (b V) and T (b e^c K).
+    u0, w = torch.linalg.solve_triangular(
+        lower, torch.cat([v * beta.unsqueeze(-1), kb * gamma.unsqueeze(-1)], dim=-1), upper=False, unitriangular=True
+    ).split([dv, dk], dim=-1)
     attn = (q @ k.transpose(-1, -2)) * decay
-    q_in = q * gamma.unsqueeze(-1)
+    # Both reads of the incoming state (by the WY keys and by the queries) as one [2C, dk] matrix per chunk.
+    reads = torch.cat([w, q * gamma.unsqueeze(-1)], dim=-2)
     # What the chunk's last token keeps of each write, and of the incoming state.
     last = decay[..., -1, :]  # [B, H, N, C]
-    k_out = k * last.unsqueeze(-1)
+    k_out = (k * last.unsqueeze(-1)).transpose(-1, -2)
     keep = gamma[..., -1:].unsqueeze(-1)  # [B, H, N, 1, 1]
 
     state = _initial(initial_state, (bsz, hv, dk, dv), q)
     outs = []
     for i in range(n):
-        u = u0[:, :, i] - w[:, :, i] @ state
-        outs.append(q_in[:, :, i] @ state + attn[:, :, i] @ u)
-        state = keep[:, :, i] * state + k_out[:, :, i].transpose(-1, -2) @ u
+        w_s, q_s = (reads[:, :, i] @ state).split(c, dim=-2)
+        u = u0[:, :, i] - w_s
+        outs.append(q_s + attn[:, :, i] @ u)
+        state = keep[:, :, i] * state + k_out[:, :, i] @ u
     o = torch.stack(outs, dim=2).reshape(bsz, hv, n * c, dv)[:, :, :seq]
     return o.transpose(1, 2).to(out_dtype), state
 
