@@ -174,6 +174,8 @@ def read_box(reader: SliceReader, layout: HFLayout, offsets: list[int], sizes: l
         return torch.stack([reader.read(layout.hf_keys[e], offsets[1:], sizes[1:])
                             for e in range(offsets[0], offsets[0] + sizes[0])])
     key = layout.hf_keys[0]
+    if layout.hf_rows:  # our tensor is a row range of the HF one
+        return reader.read(key, [offsets[0] + layout.row_offset, *offsets[1:]], sizes)
     if not layout.row_block:
         return reader.read(key, offsets, sizes)
     b = layout.row_block
@@ -183,6 +185,8 @@ def read_box(reader: SliceReader, layout: HFLayout, offsets: list[int], sizes: l
 
 
 def hf_shape(layout: HFLayout, shape: torch.Size) -> list[int]:
+    if layout.hf_rows:
+        return [layout.hf_rows, *shape[1:]]
     return list(shape[1:]) if layout.stacked else list(shape)
 
 
@@ -257,6 +261,8 @@ class _PartWriter:
         self.bytes, self.count = 0, 0
 
     def add(self, key: str, tensor: torch.Tensor, offsets: list[int]) -> None:
+        if key in self.pending.get(self.files[key], {}):
+            self.flush()  # another piece of the same HF tensor (a fused one, see HFLayout.hf_rows): its own part
         self.pending.setdefault(self.files[key], {})[key] = (tensor.contiguous(), offsets)
         self.bytes += tensor.numel() * tensor.element_size()
         if self.bytes >= PART_BYTES:
@@ -293,6 +299,8 @@ def hf_chunks(adapter: StateDictAdapter, key: str, t: torch.Tensor) -> Iterator[
             yield layout.hf_keys[e], local[i], offsets[1:]
     elif layout.row_block:
         yield layout.hf_keys[0], layout.to_hf_rows(local), offsets
+    elif layout.hf_rows:
+        yield layout.hf_keys[0], local, [offsets[0] + layout.row_offset, *offsets[1:]]
     else:
         yield layout.hf_keys[0], local, offsets
         for hf_key in layout.copies:  # its own storage: safetensors refuses tensors sharing memory

@@ -71,4 +71,6 @@ def moe_tp_plan(moe: MoE, name: str = "moe") -> dict:
     if moe.shared_experts is not None:
         for w in ("w1", "w2", "w3"):
             plan[f"{name}.shared_experts.{w}"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+    if getattr(moe, "shared_gate", None) is not None:
+        plan[f"{name}.shared_gate"] = SequenceParallel(sequence_dim=1, use_local_output=True)
     return plan

@@ -20,7 +20,7 @@ stays one parameter: TP shards both alike (Shard(0) of the [vocab, dim] matrix) 
 re-ties them; apply_fsdp puts the two modules in one group.
 
 The block plan is data: module names inside a block -> a style name (COLWISE, ROWWISE, SEQUENCE_PARALLEL,
-HEAD_NORM, MOE) or a `GatherInputs` entry. An entry applies to every block that has the module, so one plan
+HEAD_NORM, HEAD_PARAMS, MOE) or a `GatherInputs` entry. An entry applies to every block that has the module, so one plan
 covers block kinds (dense and MoE blocks, MLA with or without a compressed query); a misspelt entry leaves
 weights replicated, which the dry run's per-rank bytes show (tests/unit/test_dry_run_shards_unchanged.py).
 `tp_grad_sums` names activation hooks whose
@@ -35,9 +35,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -52,6 +53,7 @@ from torchtitan.distributed.context_parallel import RotateMethod, load_balanced_
 from torchtitan.distributed.context_parallel_a2a import CPMethod, cp_attention_factory
 from torchtitan.distributed.data_parallel import apply_fsdp
 from torchtitan.distributed.expert_parallel import apply_ep, moe_tp_plan
+from torchtitan.distributed.linear_attention_cp import StatePassingLinearAttention
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.tools.precision import fsdp_dtypes
 
@@ -66,6 +68,19 @@ HEAD_NORM = "head_norm"
 its replicated weight's gradient, a sum over every head, is summed over tp."""
 MOE = "moe"
 """An MoE layer: each tp rank routes its own sequence shard (distributed.expert_parallel.moe_tp_plan)."""
+HEAD_PARAMS = "head_params"
+"""A module of per-head parameters whose dim 0 runs over heads or head channels (Gated DeltaNet's conv and
+decay): each is split Shard(0) over tp like the column-wise projections feeding it, and the module computes
+with its local shard (so its gradient is this rank's shard: nothing to reduce)."""
+
+
+class _ShardParamsOnDim0(ParallelStyle):
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name, mod, mesh):
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])))
+
+        return distribute_module(module, device_mesh, partition)
 
 
 @dataclass(frozen=True)
@@ -150,6 +165,8 @@ def block_tp_plan(block: nn.Module, plan: ParallelPlan, *, float8: bool = False)
             out[name] = SequenceParallel()
         elif style == HEAD_NORM:
             out[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        elif style == HEAD_PARAMS:
+            out[name] = _ShardParamsOnDim0()
         elif style == MOE:
             out.update(moe_tp_plan(block.get_submodule(name), name))
         else:
@@ -192,8 +209,10 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, seq_len: int, rotate_meth
              method: CPMethod = "ring", a2a_degree: int = 0) -> None:
     """Context parallel: this rank sees the load-balanced slice of every sequence (see `shard_batch`).
 
-    Every block's attention kernel (`inner_attention`) becomes ring attention over the cp group (or, by
-    `method`, the all-to-all of distributed.context_parallel_a2a around the kernel itself), and the
+    Every block's attention kernel (`inner_attention`) becomes its context-parallel form over the cp group,
+    chosen here by the kernel's kind and the configured `method`: state passing for linear attention (a
+    recurrent state crosses the sequence, whatever the method), and for softmax attention ring attention or
+    the all-to-all of distributed.context_parallel_a2a around the kernel itself; and the
     model's default positions become the global positions of the slice, so RoPE rotates each token by its true
     position. Under TP + sequence parallel the attention input is the TP-all-gathered cp slice, which has
     exactly these positions; the sequence-parallel shards between blocks never index RoPE."""
@@ -206,10 +225,15 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, seq_len: int, rotate_meth
         for name in kernels:
             owner_name = name.rpartition(".")[0]
             owner = block.get_submodule(owner_name) if owner_name else block
-            owner.inner_attention = cp_kernel(owner.inner_attention)
+            kernel = owner.inner_attention
+            if getattr(kernel, "kind", None) == "linear_attention":
+                owner.inner_attention = StatePassingLinearAttention(cp_mesh.get_group(), kernel)
+            else:
+                owner.inner_attention = cp_kernel(kernel)
     # A plain attribute, not a buffer: `to_empty` would leave a buffer uninitialised, so it is created directly
     # on this rank's device (the model itself may still be on meta here).
     model.fixed_positions = load_balanced_indices(seq_len, cp_size, cp_rank).to(_rank_device(cp_mesh))
+
 
 
 def _rank_device(mesh: DeviceMesh) -> torch.device:

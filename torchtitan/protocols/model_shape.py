@@ -128,6 +128,9 @@ def _parse(hint: Any, text: str, item: str) -> Any:
             return text
         if typing.get_origin(t) is typing.Literal and text in typing.get_args(t):
             return text
+        if typing.get_origin(t) is tuple and typing.get_args(t)[:1] == (str,):
+            # e.g. layer_types=linear_attention+full_attention (the command line splits lists at commas)
+            return tuple(x.strip() for x in text.split("+") if x.strip())
     names = ", ".join(getattr(t, "__name__", str(t)) for t in options)
     raise ConfigError(f"--model.overrides {item!r}: {text!r} is not a valid {names}")
 
@@ -141,6 +144,8 @@ def flatten_args(args: Any, prefix: str = "") -> list[str]:
             out.extend(flatten_args(value, f"{prefix}{f.name}."))
         elif value is None:
             out.append(f"{prefix}{f.name}=none")
+        elif isinstance(value, tuple) and all(isinstance(v, str) for v in value):
+            out.append(f"{prefix}{f.name}={'+'.join(value)}")
         elif isinstance(value, (bool, int, float, str)):
             out.append(f"{prefix}{f.name}={value!r}" if isinstance(value, float) else f"{prefix}{f.name}={value}")
     return out

@@ -23,7 +23,9 @@ class HFLayout:
     """Where one of our tensors lives in an HF folder, so a rank can read or write just its slice of it:
     under `hf_keys[0]` with the same shape, or (`stacked`) as one HF tensor per index of our dim 0 (routed
     experts). With `row_block`, to_hf/from_hf permute rows within blocks of that many rows (Llama's q/k
-    heads): `to_hf_rows` / `from_hf_rows` convert any whole number of blocks."""
+    heads): `to_hf_rows` / `from_hf_rows` convert any whole number of blocks. With `hf_rows`, our tensor is
+    rows [row_offset, row_offset + its rows) of an HF tensor of `hf_rows` rows (one of several of ours fused
+    into one HF tensor, e.g. Qwen3.5's q, k and v in `in_proj_qkv`)."""
 
     hf_keys: list[str]
     stacked: bool = False
@@ -33,6 +35,8 @@ class HFLayout:
     copies: tuple[str, ...] = ()
     """More HF names the folder stores the same tensor under (DeepSeek-V3's MTP layer repeats the embedding
     and output head): written with it, never read (a plain rename only)."""
+    row_offset: int = 0
+    hf_rows: int = 0
 
 
 class StateDictAdapter(ABC):

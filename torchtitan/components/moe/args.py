@@ -35,6 +35,12 @@ class MoEArgs:
     train with `output_router_logits`; HF config `router_aux_loss_coef`): num_experts * sum_e f_e P_e over
     the tokens of every MoE layer of a forward together (components/moe/moe.py RouterBalance); softmax
     routing only; 0 turns it off."""
+    shared_hidden_dim: int = 0
+    """SwiGLU width of the shared experts when it is not num_shared_experts x hidden_dim (Qwen3.5-MoE's
+    `shared_expert_intermediate_size`); 0 = num_shared_experts x hidden_dim."""
+    shared_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid(a learned linear of the token) (Qwen2/3.5-MoE's
+    `shared_expert_gate`)."""
 
     def check(self) -> None:
         if self.score_func not in ("softmax", "sigmoid"):

@@ -61,9 +61,10 @@ class MoE(nn.Module):
         self.args = args
         self.router = TokenChoiceRouter(dim, args)
         self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
-        self.shared_experts = (
-            SwiGLU(dim, args.hidden_dim * args.num_shared_experts) if args.num_shared_experts > 0 else None
-        )
+        shared_hidden = args.shared_hidden_dim or args.hidden_dim * args.num_shared_experts
+        self.shared_experts = SwiGLU(dim, shared_hidden) if args.num_shared_experts > 0 else None
+        # Qwen3.5-MoE: sigmoid(gate(x)) scales the shared experts' output token by token.
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if args.shared_gate and self.shared_experts else None
         # Added to the router scores when choosing experts; moved by update_expert_bias. Persistent: it is
         # part of the trained model (HF: e_score_correction_bias).
         self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
@@ -76,6 +77,8 @@ class MoE(nn.Module):
         pipeline's balanced split weighs stages by this; distributed.balance.module_flops)."""
         one_expert = sum(w[0].numel() for w in (self.experts.w1, self.experts.w2, self.experts.w3))
         shared = 0 if self.shared_experts is None else sum(p.numel() for p in self.shared_experts.parameters())
+        if self.shared_gate is not None:
+            shared += self.shared_gate.weight.numel()
         return self.router.gate.weight.numel() + shared + self.args.top_k * one_expert
 
     def init_weights(self, out_std: float, buffer_device: torch.device | None = None) -> None:
@@ -83,6 +86,8 @@ class MoE(nn.Module):
         self.experts.init_weights(out_std)
         if self.shared_experts is not None:
             self.shared_experts.init_weights(out_std)
+        if self.shared_gate is not None:
+            nn.init.trunc_normal_(self.shared_gate.weight, mean=0.0, std=0.02, a=-0.06, b=0.06)
         with torch.no_grad():
             device = buffer_device or self.expert_bias.device
             self.expert_bias = torch.zeros(self.args.num_experts, device=device)
@@ -108,7 +113,10 @@ class MoE(nn.Module):
         routed = routed.to(tokens.dtype) * weights.flatten()[order].unsqueeze(-1).to(tokens.dtype)
         out = torch.zeros_like(tokens).index_add_(0, token_of, routed)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x).reshape(-1, dim)
+            shared = self.shared_experts(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            out = out + shared.reshape(-1, dim)
         aux = None
         if self.args.aux_loss_alpha > 0 and self.training:
             aux = self.sequence_aux_loss(scores.view(bs, slen, -1), ids.view(bs, slen, -1))
