@@ -18,7 +18,7 @@ from torchtitan.components.hf_folder import weight_files
 from torchtitan.components.muon import check_muon_config
 from torchtitan.components.quantization import ModelConverters, build_model_converters
 from torchtitan.config import JobConfig
-from torchtitan.distributed.activation_checkpoint import check_ac_config
+from torchtitan.distributed.activation_checkpoint import check_ac_config, check_block_choices
 from torchtitan.distributed.compile import check_compile_config, compiles
 from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims, parallel_dims_from_config
 from torchtitan.distributed.parallel_dims import device_type as parallel_dims_device_type
@@ -77,6 +77,7 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
     converters = build_model_converters(cfg, pd, torch.device(device_type))
     converters.convert(model)
     _check_model_inputs(cfg, model)
+    check_block_choices(cfg.memory, cfg.activation_checkpoint, len(model.layers))
 
     pipeline_plan = None
     if pd.pp_enabled:
