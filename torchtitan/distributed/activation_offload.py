@@ -233,11 +233,18 @@ class ActivationOffloader:
         skip = {_storage(p).data_ptr() for p in block.parameters()}
 
         def pack(t: torch.Tensor):
-            if t.device.type == "meta" or _storage(t).data_ptr() in skip or _storage(t).nbytes() == 0:
+            # Under TP autograd saves DTensors: their local tensor goes, their sharding spec stays.
+            local = t._local_tensor if isinstance(t, DTensor) else t
+            if (type(local) is not torch.Tensor or local.device.type == "meta"  # other subclasses stay
+                    or _storage(local).data_ptr() in skip or _storage(local).nbytes() == 0):
                 return t
-            return _Saved(group, group.add(_storage(t)), t)
+            saved = _Saved(group, group.add(_storage(local)), local)
+            return (saved, t._spec, t.requires_grad) if isinstance(t, DTensor) else saved
 
         def unpack(h):
+            if isinstance(h, tuple):
+                saved, spec, requires_grad = h
+                return DTensor(saved.tensor(), spec, requires_grad=requires_grad)
             return h.tensor() if isinstance(h, _Saved) else h
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
@@ -273,7 +280,7 @@ class ActivationOffloader:
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:
-    return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+    return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
 
 
 class OffloadedBlock(ActivationWrapper):
