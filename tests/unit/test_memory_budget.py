@@ -13,9 +13,11 @@ from torchtitan.job_plan import plan_job
 from torchtitan.planning.memory_budget import (
     CHOICES,
     BlockCost,
+    activation_bytes,
     brute_force,
     least_bytes,
     plan_budget,
+    plan_seconds,
     resolve_budget,
     solve,
 )
@@ -35,7 +37,8 @@ def _random_blocks(rng: random.Random, n: int) -> list[BlockCost]:
         op = full + unit * rng.randint(0, 12)
         keep = op + unit * rng.randint(0, 12)
         seconds = (0.0, rng.uniform(0, 0.3), rng.uniform(0.2, 1.0), rng.uniform(0, 1.5))
-        blocks.append(BlockCost((keep, op, full, 0), seconds, keep // rng.choice([1, 2])))
+        transient = (0, keep - op, keep - full, rng.choice([1, 2]) * keep)
+        blocks.append(BlockCost((keep, op, full, 0), seconds, transient))
     return blocks
 
 
@@ -44,30 +47,53 @@ def test_solve_equals_brute_force_on_a_random_family():
     feasible = infeasible = mixed = 0
     for _ in range(400):
         blocks = _random_blocks(rng, rng.randint(1, 6))
+        allowed = CHOICES if rng.random() < 0.7 else tuple(c for c in CHOICES if rng.random() < 0.7) or ("keep",)
         room = rng.randint(0, sum(b.bytes[0] for b in blocks) + 10)
-        got, want = solve(blocks, room), brute_force(blocks, room)
+        got, want = solve(blocks, room, allowed), brute_force(blocks, room, allowed)
         assert (got is None) == (want is None), (blocks, room)
         if want is None:
             infeasible += 1
-            assert least_bytes(blocks) > room
+            assert least_bytes(blocks, allowed) > room
             continue
         feasible += 1
         mixed += len(set(want.choices)) > 1
         assert got.choices == want.choices, (blocks, room, got, want)
         assert got.seconds == want.seconds and got.activation_bytes == want.activation_bytes <= room
         assert got.exact
-        assert least_bytes(blocks) <= room
+        assert least_bytes(blocks, allowed) <= room
     assert feasible > 100 and infeasible > 10 and mixed > 100  # the family exercises every branch
 
 
-def test_a_greedy_rule_would_fail_the_same_check():
-    """Negative control: the brute-force comparison catches a non-optimal search. Greedy (most bytes saved
-    per second first) on an instance where it is wrong: two cheap small savings beat one big one."""
-    blocks = [BlockCost((10, 10, 10, 0), (0.0, 9.0, 9.0, 1.0), 10),
-              BlockCost((6, 6, 1, 6), (0.0, 9.0, 0.6, 9.0), 6),
-              BlockCost((6, 6, 1, 6), (0.0, 9.0, 0.6, 9.0), 6)]
-    best = brute_force(blocks, 12)
-    assert best.choices == ("keep", "full", "full") and best == solve(blocks, 12)
+def _greedy(blocks: list[BlockCost], room: int):
+    """Start from keep everywhere; while over the room, take the change that frees the most bytes per second."""
+    choices = ["keep"] * len(blocks)
+    while activation_bytes(blocks, tuple(choices)) > room:
+        used = activation_bytes(blocks, tuple(choices))
+        options = []
+        for i, b in enumerate(blocks):
+            for c in CHOICES:
+                trial = tuple(choices[:i] + [c] + choices[i + 1:])
+                freed = used - activation_bytes(blocks, trial)
+                extra = plan_seconds(blocks, trial) - plan_seconds(blocks, tuple(choices))
+                if freed > 0:
+                    options.append((freed / max(extra, 1e-9), trial))
+        if not options:
+            return None
+        choices = list(max(options)[1])
+    return tuple(choices)
+
+
+def test_the_check_catches_a_greedy_rule():
+    """Negative control: the same comparison with brute force fails a greedy search on this family."""
+    rng = random.Random(0)
+    wrong = 0
+    for _ in range(400):
+        blocks = _random_blocks(rng, rng.randint(1, 6))
+        room = rng.randint(0, sum(b.bytes[0] for b in blocks) + 10)
+        want = brute_force(blocks, room)
+        if want is not None and _greedy(blocks, room) != want.choices:
+            wrong += 1
+    assert wrong > 20
 
 
 def _plan(tmp_path, *extra):

@@ -427,6 +427,14 @@ class Memory:
     (selective AC, op policy), full (full AC) or offload (saved activations to --memory.offload_dir on CPU,
     to pinned host memory on CUDA). Empty = --activation_checkpoint decides, or the budget's planner."""
 
+    plan_choices: list[str] = field(default_factory=lambda: ["keep", "op", "full", "offload"])
+    """The choices the budget's planner may use per block (e.g. keep,op,full: no offload)."""
+
+    offload_prefetch: bool = True
+    """Offload: write a block's group while the next block runs forward and read the next group back while
+    this one runs backward (two groups in RAM, the moves hidden behind compute); false = move each group
+    while its block waits (one group in RAM). The budget's planner sets it."""
+
     offload_dir: str = ""
     """CPU offload: directory for the offloaded activations' files (default: the system temp directory).
     Use a local disk: on a tmpfs the files stay in RAM."""

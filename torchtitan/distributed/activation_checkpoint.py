@@ -144,16 +144,19 @@ def check_block_choices(mem: MemoryConfig, ac: ACConfig, n_blocks: int) -> None:
     if per_block and ac.mode != "none":
         raise ValueError(f"{per_block} decides recomputation per block and cannot compose with "
                          f"--activation_checkpoint.mode {ac.mode}: set it to none")
-    unknown = [c for c in mem.block_choices if c not in BLOCK_CHOICES]
-    if unknown:
-        raise ValueError(f"--memory.block_choices {unknown[0]!r} is not a choice: use {', '.join(BLOCK_CHOICES)}")
+    for option in ("block_choices", "plan_choices"):
+        unknown = [c for c in getattr(mem, option) if c not in BLOCK_CHOICES]
+        if unknown:
+            raise ValueError(f"--memory.{option} {unknown[0]!r} is not a choice: use {', '.join(BLOCK_CHOICES)}")
+    if not mem.plan_choices:
+        raise ValueError(f"--memory.plan_choices is empty: give some of {', '.join(BLOCK_CHOICES)}")
     if len(mem.block_choices) not in (0, 1, n_blocks):
         raise ValueError(f"--memory.block_choices has {len(mem.block_choices)} entries for a model of {n_blocks} "
                          f"blocks: give one per block, or one for all")
 
 
 def apply_block_choices(model: nn.Module, choices: list[str], device: torch.device,
-                        offload_dir: str = "") -> ActivationOffloader | None:
+                        offload_dir: str = "", prefetch: bool = True) -> ActivationOffloader | None:
     """Wraps each block of `model.layers` (a whole model or a pipeline stage, whose block keys are the global
     block indices) by its choice, in place (before compile and FSDP); returns the offloader when a block
     offloads. One choice applies to every block."""
@@ -169,7 +172,7 @@ def apply_block_choices(model: nn.Module, choices: list[str], device: torch.devi
         elif choice == "full":
             model.layers.register_module(name, _wrap_full(block))
         elif choice == "offload":
-            offloader = offloader or ActivationOffloader(make_tier(device, offload_dir))
+            offloader = offloader or ActivationOffloader(make_tier(device, offload_dir), prefetch)
             model.layers.register_module(name, OffloadedBlock(block, offloader))
     logger.info("Per-block memory choices: " + ", ".join(f"{n} {c}" for c, n in counts.items())
                 + f" of {len(model.layers)} blocks")

@@ -16,10 +16,11 @@ Tiers:
                the block's forward, host -> device when prefetched); the compute stream waits on an event only
                when it needs the tensors.
 
-Memory: a group is written while the next block runs its forward, and at the end of each offloaded block the
-forward waits for the previous group's write, so at most two groups are resident during forward; in backward
-the group in use and the one being prefetched. The planner counts two groups for this
-(planning/memory_budget.py).
+Memory: with prefetch (the default) a group is written while the next block runs its forward, and at the end
+of each offloaded block the forward waits for the previous group's write, so at most two groups are resident
+during forward; in backward the group in use and the one being prefetched. Without prefetch
+(--memory.offload_prefetch false) each block waits for its own write and reads its group when backward needs
+it: one group resident, the moves exposed. The planner counts two groups or one (planning/memory_budget.py).
 
 Numbers: the bytes come back exactly, into storages with the same offsets, sizes and strides (views keep
 sharing one storage), so backward runs the same kernels on the same values: losses are bitwise equal to the
@@ -221,8 +222,9 @@ class _Saved:
 class ActivationOffloader:
     """The groups of every offloaded block of one model part, in forward order, and the tier they go to."""
 
-    def __init__(self, tier):
+    def __init__(self, tier, prefetch: bool = True):
         self.tier = tier
+        self.prefetch = prefetch
         self.groups: list[_Group] = []  # alive, in the order they were created
         self._writes: "queue.SimpleQueue" = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -254,8 +256,9 @@ class ActivationOffloader:
             group.written, _ = self.tier.write(group.storages)
             with self._lock:
                 self.groups.append(group)
-            # At most two groups resident in forward: this one (being written) and the next block's.
-            if previous:
+            if not self.prefetch:  # one group resident: this block waits for its own write
+                group.written.result()
+            elif previous:  # at most two groups resident: this one (being written) and the next block's
                 previous[-1].written.result()
         return out
 
@@ -264,7 +267,7 @@ class ActivationOffloader:
         with self._lock:
             i = self.groups.index(group)
             earlier = self.groups[i - 1] if i > 0 else None
-        if earlier is not None:
+        if earlier is not None and self.prefetch:
             earlier.prefetch()
 
     def forget(self, group: _Group) -> None:

@@ -247,7 +247,8 @@ def parallelize(
         plan.extra(model, pd, job_config)
     experts = apply_ep(model, pd.submesh("ep")) if pd.ep_enabled else []
     apply_ac(model, job_config.activation_checkpoint, model_compiled=compile_model)
-    apply_block_choices(model, job_config.memory.block_choices, _device(device_type), job_config.memory.offload_dir)
+    mem = job_config.memory
+    apply_block_choices(model, mem.block_choices, _device(device_type), mem.offload_dir, mem.offload_prefetch)
     if compile_model:
         apply_compile(model)
     if pd.fsdp_enabled:

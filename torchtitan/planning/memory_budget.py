@@ -61,18 +61,20 @@ MAX_UNITS = 1_000_000
 @dataclasses.dataclass(frozen=True)
 class BlockCost:
     bytes: tuple[int, ...]
-    """Bytes the block keeps for backward, per choice of CHOICES (offload: 0)."""
+    """Bytes the block keeps for backward until its backward, per choice of CHOICES (offload: 0)."""
     seconds: tuple[float, ...]
     """Seconds the choice adds to a step, per choice of CHOICES (keep: 0)."""
-    group_bytes: int
-    """Bytes of one offloaded group (one microbatch's saved tensors of this block)."""
+    transient: tuple[int, ...]
+    """Bytes the choice holds for a while on top (per choice): what recomputation rebuilds during the block's
+    backward, or the offloaded groups in RAM while they move. Transients of different blocks happen at
+    different times, so a plan counts only the largest."""
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockPlan:
     choices: tuple[str, ...]
     activation_bytes: int
-    """Kept bytes of every block + RESIDENT_GROUPS x the largest offloaded group."""
+    """Kept bytes of every block + the largest transient."""
     seconds: float
     """Seconds the plan adds to a step."""
     exact: bool = True
@@ -80,11 +82,9 @@ class BlockPlan:
 
 
 def activation_bytes(blocks: list[BlockCost], choices: tuple[str, ...]) -> int:
-    """What `choices` keep: every block's bytes, plus the resident offloaded groups."""
+    """What `choices` need: every block's kept bytes, plus the largest transient."""
     idx = [CHOICES.index(c) for c in choices]
-    kept = sum(b.bytes[i] for b, i in zip(blocks, idx))
-    groups = [b.group_bytes for b, c in zip(blocks, choices) if c == "offload"]
-    return kept + (RESIDENT_GROUPS * max(groups) if groups else 0)
+    return sum(b.bytes[i] for b, i in zip(blocks, idx)) + max(b.transient[i] for b, i in zip(blocks, idx))
 
 
 def plan_seconds(blocks: list[BlockCost], choices: tuple[str, ...]) -> float:
@@ -94,10 +94,10 @@ def plan_seconds(blocks: list[BlockCost], choices: tuple[str, ...]) -> float:
     return total
 
 
-def brute_force(blocks: list[BlockCost], room: int) -> BlockPlan | None:
+def brute_force(blocks: list[BlockCost], room: int, allowed: tuple[str, ...] = CHOICES) -> BlockPlan | None:
     """Every combination; the least seconds, then the least bytes. For tests and tiny models."""
     best = None
-    for choices in itertools.product(CHOICES, repeat=len(blocks)):
+    for choices in itertools.product(allowed, repeat=len(blocks)):
         used = activation_bytes(blocks, choices)
         if used > room:
             continue
@@ -140,17 +140,19 @@ def _dp(blocks: list[BlockCost], allowed: list[list[int]], room: int) -> tuple[t
     return tuple(reversed(choices)), exact
 
 
-def solve(blocks: list[BlockCost], room: int) -> BlockPlan | None:
-    """The plan with the least added seconds whose activation bytes are <= `room` (None: nothing fits)."""
-    offload = CHOICES.index("offload")
+def solve(blocks: list[BlockCost], room: int, allowed: tuple[str, ...] = CHOICES) -> BlockPlan | None:
+    """The plan with the least added seconds whose activation bytes are <= `room` (None: nothing fits),
+    using only the `allowed` choices."""
     best: BlockPlan | None = None
-    for largest in sorted({0} | {b.group_bytes for b in blocks}):
-        cap = room - RESIDENT_GROUPS * largest
+    ok = [CHOICES.index(c) for c in allowed]
+    for largest in sorted({t for b in blocks for c, t in enumerate(b.transient) if c in ok}):
+        cap = room - largest
         if cap < 0:
             continue
-        allowed = [[c for c in range(len(CHOICES)) if c != offload or (largest and b.group_bytes <= largest)]
-                   for b in blocks]
-        found = _dp(blocks, allowed, cap)
+        options = [[c for c in ok if b.transient[c] <= largest] for b in blocks]
+        if not all(options):
+            continue
+        found = _dp(blocks, options, cap)
         if found is None:
             continue
         choices, exact = found
@@ -160,12 +162,15 @@ def solve(blocks: list[BlockCost], room: int) -> BlockPlan | None:
     return best
 
 
-def least_bytes(blocks: list[BlockCost]) -> int:
-    """The fewest activation bytes any plan keeps."""
-    best = sum(min(b.bytes[:-1]) for b in blocks)
-    for largest in sorted({b.group_bytes for b in blocks}):
-        kept = sum(min(b.bytes) if b.group_bytes <= largest else min(b.bytes[:-1]) for b in blocks)
-        best = min(best, kept + RESIDENT_GROUPS * largest)
+def least_bytes(blocks: list[BlockCost], allowed: tuple[str, ...] = CHOICES) -> int:
+    """The fewest activation bytes any plan of the `allowed` choices needs."""
+    ok = [CHOICES.index(c) for c in allowed]
+    best = None
+    for largest in sorted({t for b in blocks for c, t in enumerate(b.transient) if c in ok}):
+        options = [[c for c in ok if b.transient[c] <= largest] for b in blocks]
+        if all(options):
+            need = largest + sum(min(b.bytes[c] for c in o) for b, o in zip(blocks, options))
+            best = need if best is None else min(best, need)
     return best
 
 
@@ -185,6 +190,8 @@ class BudgetPlan:
     base_seconds: float
     bandwidth: float
     """Offload tier bytes/s used."""
+    prefetch: bool = True
+    """Offload with prefetch (--memory.offload_prefetch)."""
 
     def summary(self) -> str:
         runs, prev = [], None
@@ -196,8 +203,9 @@ class BudgetPlan:
                 runs[-1][1] = i
         blocks = ", ".join(f"{a}-{b} {c}" if a != b else f"{a} {c}" for a, b, c in runs)
         note = "" if self.plan.exact else " (memory axis coarsened: see planning/memory_budget.py)"
-        return (f"memory plan for a budget of {self.budget_bytes / 2**30:.2f} GiB per rank: blocks {blocks}; "
-                f"predicted peak {self.memory.peak / 2**30:.2f} GiB, predicted step {self.step_seconds:.3f} s "
+        return (f"memory plan for a budget of {self.budget_bytes / 2**30:.2f} GiB per rank: blocks {blocks}"
+                + ("" if self.prefetch else " (offload without prefetch)") +
+                f"; predicted peak {self.memory.peak / 2**30:.2f} GiB, predicted step {self.step_seconds:.3f} s "
                 f"({self.base_seconds:.3f} s without recompute or offload, +{self.plan.seconds:.3f} s){note}")
 
 
@@ -228,22 +236,25 @@ def _budget_work(cfg, plan, shape: ModelShape, on_gpu: bool) -> RankWork:
 
 
 def block_costs(shape: ModelShape, work: RankWork, seq_len: int, microbatches: int, flops: float,
-                bandwidth: float) -> tuple[list[BlockCost], float, float]:
-    """(costs of the rank's blocks, one block's forward seconds per microbatch, the output's) for `work`."""
+                bandwidth: float, prefetch: bool = True) -> tuple[list[BlockCost], float, float]:
+    """(costs of the rank's blocks, one block's forward seconds per microbatch, the output's) for `work`,
+    with offload's prefetch on (two groups resident, moves overlapped) or off (one, moves exposed)."""
     w = work
     tokens = w.tokens_per_microbatch / w.cp
     q_dim = shape.q_dim or shape.dim
     forward = tokens * (2 * shape.block_params + 2 * seq_len * q_dim) / w.tp / flops
     output = tokens * 2 * shape.dim * shape.vocab / w.tp / flops if w.holds_output else 0.0
-    per_mb = [int(tokens * block_elems_per_token(shape, c, w.tp) * w.act_bytes) for c in ("none", "op", "full")]
-    kept = tuple(int(b * w.in_flight) for b in per_mb) + (0,)
+    group, op, full = (int(tokens * block_elems_per_token(shape, c, w.tp) * w.act_bytes) for c in ("none", "op", "full"))
+    kept = (int(group * w.in_flight), int(op * w.in_flight), int(full * w.in_flight), 0)
+    # Recomputation rebuilds, during the block's backward, what keep would have kept and the choice did not.
+    transient = (0, group - op, group - full, (RESIDENT_GROUPS if prefetch else 1) * group)
+    move = group / bandwidth
     costs = []
     for i in range(w.blocks):
         overlap = forward if i + 1 < w.blocks else output
-        move = per_mb[0] / bandwidth
-        offload = microbatches * (max(0.0, move - overlap) + max(0.0, move - 2 * overlap))
-        seconds = (0.0, OP_RECOMPUTE_FRACTION * forward * microbatches, forward * microbatches, offload)
-        costs.append(BlockCost(kept, seconds, per_mb[0]))
+        offload = max(0.0, move - overlap) + max(0.0, move - 2 * overlap) if prefetch else 2 * move
+        seconds = (0.0, OP_RECOMPUTE_FRACTION * forward, forward, offload)
+        costs.append(BlockCost(kept, tuple(microbatches * x for x in seconds), transient))
     return costs, forward, output
 
 
@@ -293,19 +304,29 @@ def plan_budget(cfg, plan, *, flops: float | None = None, on_gpu: bool | None = 
     microbatches = plan.grad_accum * (cfg.training.local_batch_size // cfg.parallelism.pipeline_parallel_microbatch_size
                                       if pd.pp > 1 else 1)
     gbps = mem.offload_bandwidth_gbps or (OFFLOAD_BANDWIDTH_CUDA if on_gpu else OFFLOAD_BANDWIDTH_CPU)
-    costs, forward, output = block_costs(shape, work, cfg.training.seq_len, microbatches, flops * mfu, gbps * 1e9)
+    allowed = tuple(mem.plan_choices)
     room = activation_room(shape, state, work, budget)
-    found = solve(costs, room) if room >= 0 else None
+    found, prefetch, least = None, True, None
+    for pre in (True, False):  # offload with prefetch (moves hidden, two groups in RAM) or without (one)
+        costs, forward, output = block_costs(shape, work, cfg.training.seq_len, microbatches, flops * mfu,
+                                             gbps * 1e9, pre)
+        need = least_bytes(costs, allowed)
+        least = need if least is None else min(least, need)
+        plan_ = solve(costs, room, allowed) if room >= 0 else None
+        if plan_ is not None and (found is None or (plan_.seconds, plan_.activation_bytes)
+                                  < (found.seconds, found.activation_bytes)):
+            found, prefetch = plan_, pre
     if found is None:
-        least = _peak(shape, state, work, least_bytes(costs)).peak
-        raise ValueError(f"--memory.budget_gib {mem.budget_gib} cannot be met: the least any plan of keep/op/full/"
-                         f"offload per block needs is {math.ceil(least / 2**30 * 1e4) / 1e4:.4f} GiB per rank; raise "
-                         f"the budget to that, shard more or lower --training.local_batch_size")
+        least_peak = _peak(shape, state, work, least).peak
+        raise ValueError(f"--memory.budget_gib {mem.budget_gib} cannot be met: the least any plan of "
+                         f"{'/'.join(allowed)} per block needs is {math.ceil(least_peak / 2**30 * 1e4) / 1e4:.4f} GiB "
+                         f"per rank; raise the budget to that, shard more or lower --training.local_batch_size"
+                         + ("" if "offload" in allowed else " (or allow offload in --memory.plan_choices)"))
     per_stage = list(found.choices)
     choices = tuple(per_stage * pd.pp)[: len(plan.model.layers)]
     base = 3 * microbatches * (work.blocks * forward + output)
     return BudgetPlan(budget, found, choices, _peak(shape, state, work, found.activation_bytes),
-                      base + found.seconds, base, gbps * 1e9)
+                      base + found.seconds, base, gbps * 1e9, prefetch or "offload" not in found.choices)
 
 
 def resolve_budget(cfg, world_size: int):
@@ -318,5 +339,6 @@ def resolve_budget(cfg, world_size: int):
     if not cfg.memory.budget_gib:
         return cfg, None
     budget = plan_budget(cfg, plan_job(cfg, world_size))
-    memory = dataclasses.replace(cfg.memory, budget_gib=0.0, block_choices=list(budget.choices))
+    memory = dataclasses.replace(cfg.memory, budget_gib=0.0, block_choices=list(budget.choices),
+                                 offload_prefetch=budget.prefetch)
     return dataclasses.replace(cfg, memory=memory), budget
