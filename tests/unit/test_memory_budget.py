@@ -165,3 +165,23 @@ def test_preflight_prints_the_plan(tmp_path, capsys):
     assert preflight(TINY + ["--job.dump_folder", str(tmp_path), "--memory.budget_gib", "100"]) == 0
     out = capsys.readouterr().out
     assert "memory plan for a budget of 100.00 GiB per rank: blocks 0-1 keep; predicted peak" in out, out
+
+
+def test_dry_run_plans_an_8b_layout_for_a_budget(capsys):
+    """The dry run takes the budget: Llama 3 8B on 8 H100s (FSDP 8), seq 8192, planned under 40 GiB (no AC
+    needs more), and refused under 16 GiB with the least that works."""
+    from torchtitan.dry_run import main as dry_run_main
+
+    layout = ["--world-size", "8", "--ranks", "0", "--device-type", "H100-80GB", "--model.flavor", "8B",
+              "--training.seq_len", "8192", "--training.local_batch_size", "1",
+              "--training.mixed_precision_param", "bfloat16", "--model.tokenizer_path", "/nonexistent"]
+    dry_run_main(layout + ["--memory.budget_gib", "1000", "--memory.plan_choices", "keep"])
+    keep = float(capsys.readouterr().out.split("predicted peak ")[1].split(" GiB")[0])
+    assert keep > 40
+    dry_run_main(layout + ["--memory.budget_gib", "40"])
+    out = capsys.readouterr().out
+    assert "memory plan for a budget of 40.00 GiB per rank: blocks 0-" in out, out
+    assert float(out.split("predicted peak ")[1].split(" GiB")[0]) <= 40
+    dry_run_main(layout + ["--memory.budget_gib", "16"])
+    out = capsys.readouterr().out
+    assert "error: --memory.budget_gib 16.0 cannot be met: the least any plan" in out, out

@@ -77,8 +77,9 @@ class FileTier:
                 f.write(memoryview(_bytes_view(s).numpy()))
                 f.write(b"\0" * (_aligned(n) - n))
             f.flush()
-            os.fsync(f.fileno())
-            if hasattr(os, "posix_fadvise"):  # the written pages need not stay in the page cache
+            # Start writing the pages back and let the kernel drop them from the page cache once clean; no
+            # fsync: the process's memory is released when the bytes are in the file, durability is not needed.
+            if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         storages.clear()  # the resident copies are released here, once on disk
         return path

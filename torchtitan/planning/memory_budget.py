@@ -4,25 +4,28 @@ the mix with the least predicted step time whose per-rank peak stays within `--m
 SwapAdvisor's question asked of whole blocks. Inputs, per block of the busiest rank (the first pipeline rank,
 which keeps the most microbatches in flight; every stage then uses the plan of its position):
   bytes    what the block keeps for backward under each choice (the estimator's per-block formulas,
-           planning/memory.py, x tokens x microbatches in flight); offload keeps nothing resident but, while
-           the offloaded groups move, RESIDENT_GROUPS groups (one microbatch's saved tensors of one block each)
-           are in RAM: the one being written while the next block runs forward, the one in use and the one
-           prefetched in backward (distributed/activation_offload.py)
+           planning/memory.py, x tokens x microbatches in flight), and what it holds for a while on top
+           (transient): recomputation rebuilds what it did not keep during the block's backward; offload keeps
+           nothing, but while the groups move RESIDENT_GROUPS groups (one microbatch's saved tensors of one
+           block each) are in RAM with prefetch (the one being written while the next block runs forward; the
+           one in use and the one prefetched in backward), one without (distributed/activation_offload.py).
+           Transients of different blocks come at different times: a plan counts the largest
   seconds  what the choice adds to a step: full = the block's forward over the step's microbatches (FLOPs at
-           `mfu` of the device's peak); op = OP_RECOMPUTE_FRACTION of it; offload = per microbatch, the write
-           (group bytes / tier bandwidth) minus the next block's forward it overlaps, plus the read minus the
-           next block's backward (2 forwards) it overlaps; the last block overlaps the output projection's
-           forward instead
+           `mfu` of the device's peak); op = OP_RECOMPUTE_FRACTION of it; offload with prefetch = per
+           microbatch, the write (group bytes / tier bandwidth) minus the next block's forward it overlaps, plus
+           the read minus the next block's backward (2 forwards) it overlaps (the last block overlaps the
+           output projection's forward instead); without prefetch, the write and the read in full. The planner
+           tries offload with and without prefetch (--memory.offload_prefetch) and keeps the better plan
 The peak is the estimator's (planning/memory.py, `RankWork.block_activation_bytes`), monotone in the blocks'
 bytes, so the budget becomes a cap on them (`activation_room`, by bisection).
 
-Search (`solve`): exact. For each candidate largest offloaded group T (0 = no offload, else each block's group
-size), a dynamic programme over the blocks with memory in units of the gcd of every block's bytes and the
-cap (so the discretisation is exact; above MAX_UNITS units bytes are rounded up, which keeps the plan within
-the budget but may miss a plan at its very edge, and the plan says so) minimises the added seconds subject to
-the kept bytes <= cap - RESIDENT_GROUPS x T, offload allowed only for blocks whose group is <= T. The best over
-all T is optimal: the optimal plan's largest offloaded group is one of the candidates. `brute_force` checks
-it (tests/unit/test_memory_budget.py).
+Search (`solve`): exact. For each candidate largest transient T (0, or any block's transient under any
+allowed choice), a dynamic programme over the blocks, with memory in units of the gcd of the blocks' kept
+bytes (so the discretisation is exact; above MAX_UNITS units bytes are rounded up, which keeps the plan within
+the budget but may miss a plan at its very edge, and the plan says so), minimises the added seconds subject
+to kept bytes <= cap - T, each block limited to the choices whose transient is <= T. The best over all T is
+optimal: the optimal plan's largest transient is one of the candidates. `brute_force` checks it
+(tests/unit/test_memory_budget.py), and the same check catches a greedy rule.
 """
 
 import dataclasses
@@ -109,7 +112,8 @@ def brute_force(blocks: list[BlockCost], room: int, allowed: tuple[str, ...] = C
 
 def _dp(blocks: list[BlockCost], allowed: list[list[int]], room: int) -> tuple[tuple[str, ...], bool] | None:
     weights = [b.bytes[c] for b, a in zip(blocks, allowed) for c in a]
-    quantum = max(1, math.gcd(room, *weights))
+    # Sums of multiples of the gcd fit the room exactly when they fit its largest multiple of the gcd.
+    quantum = max(1, math.gcd(*weights))
     exact = room // quantum <= MAX_UNITS
     if not exact:
         quantum = -(-room // MAX_UNITS)
@@ -275,15 +279,25 @@ def activation_room(shape, state, work, budget: int) -> int:
     return lo
 
 
-def plan_budget(cfg, plan, *, flops: float | None = None, on_gpu: bool | None = None,
-                mfu: float = DEFAULT_MFU) -> BudgetPlan | None:
-    """The per-block plan for `cfg.memory.budget_gib` of a job judged by plan_job (None without a budget).
-    `flops` = the device's peak FLOP/s (default: this machine's, tools/device_peak); `on_gpu` the target
-    (default: this machine). Raises ValueError with one line when the budget cannot be met."""
-    mem = cfg.memory
-    if not mem.budget_gib:
-        return None
-    budget = int(mem.budget_gib * 2**30)
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    shape: ModelShape
+    state: StateBytes
+    work: RankWork
+    microbatches: int
+    flops: float
+    """Achieved FLOP/s (peak x mfu)."""
+    bandwidth: float
+
+    def costs(self, seq_len: int, prefetch: bool):
+        return block_costs(self.shape, self.work, seq_len, self.microbatches, self.flops, self.bandwidth, prefetch)
+
+    def least_peak(self, seq_len: int, allowed: tuple[str, ...]) -> int:
+        least = min(least_bytes(self.costs(seq_len, pre)[0], allowed) for pre in (True, False))
+        return _peak(self.shape, self.state, self.work, least).peak
+
+
+def _inputs(cfg, plan, flops: float | None, on_gpu: bool | None, mfu: float) -> _Inputs:
     shape = ModelShape.from_args(plan.model_args)
     if shape is None:
         raise ValueError(f"--memory.budget_gib plans with the memory estimator's dense-block formulas, which "
@@ -297,36 +311,52 @@ def plan_budget(cfg, plan, *, flops: float | None = None, on_gpu: bool | None = 
 
         flops = peak_flops(device, plan.precision.mixed)
     state = _rank_state_bytes(plan.model, pd, cfg.optimizer.name)
-    if state.params > budget:
-        raise ValueError(f"--memory.budget_gib {mem.budget_gib} is below this rank's own parameters "
-                         f"({state.params / 2**30:.2f} GiB): raise it or shard the model over more ranks (FSDP/TP/PP)")
     work = _budget_work(cfg, plan, shape, on_gpu)
     microbatches = plan.grad_accum * (cfg.training.local_batch_size // cfg.parallelism.pipeline_parallel_microbatch_size
                                       if pd.pp > 1 else 1)
-    gbps = mem.offload_bandwidth_gbps or (OFFLOAD_BANDWIDTH_CUDA if on_gpu else OFFLOAD_BANDWIDTH_CPU)
+    gbps = cfg.memory.offload_bandwidth_gbps or (OFFLOAD_BANDWIDTH_CUDA if on_gpu else OFFLOAD_BANDWIDTH_CPU)
+    return _Inputs(shape, state, work, microbatches, flops * mfu, gbps * 1e9)
+
+
+def least_budget(cfg, plan, *, flops: float | None = None, on_gpu: bool | None = None,
+                 mfu: float = DEFAULT_MFU) -> int:
+    """The smallest per-rank peak (bytes) any plan of --memory.plan_choices reaches for this job."""
+    return _inputs(cfg, plan, flops, on_gpu, mfu).least_peak(cfg.training.seq_len, tuple(cfg.memory.plan_choices))
+
+
+def plan_budget(cfg, plan, *, flops: float | None = None, on_gpu: bool | None = None,
+                mfu: float = DEFAULT_MFU) -> BudgetPlan | None:
+    """The per-block plan for `cfg.memory.budget_gib` of a job judged by plan_job (None without a budget).
+    `flops` = the device's peak FLOP/s (default: this machine's, tools/device_peak); `on_gpu` the target
+    (default: this machine). Raises ValueError with one line when the budget cannot be met."""
+    mem = cfg.memory
+    if not mem.budget_gib:
+        return None
+    budget = int(mem.budget_gib * 2**30)
+    x = _inputs(cfg, plan, flops, on_gpu, mfu)
+    if x.state.params > budget:
+        raise ValueError(f"--memory.budget_gib {mem.budget_gib} is below this rank's own parameters "
+                         f"({x.state.params / 2**30:.4f} GiB): raise it or shard the model over more ranks (FSDP/TP/PP)")
     allowed = tuple(mem.plan_choices)
-    room = activation_room(shape, state, work, budget)
-    found, prefetch, least = None, True, None
+    room = activation_room(x.shape, x.state, x.work, budget)
+    found, prefetch = None, True
     for pre in (True, False):  # offload with prefetch (moves hidden, two groups in RAM) or without (one)
-        costs, forward, output = block_costs(shape, work, cfg.training.seq_len, microbatches, flops * mfu,
-                                             gbps * 1e9, pre)
-        need = least_bytes(costs, allowed)
-        least = need if least is None else min(least, need)
-        plan_ = solve(costs, room, allowed) if room >= 0 else None
-        if plan_ is not None and (found is None or (plan_.seconds, plan_.activation_bytes)
-                                  < (found.seconds, found.activation_bytes)):
-            found, prefetch = plan_, pre
+        costs, forward, output = x.costs(cfg.training.seq_len, pre)
+        candidate = solve(costs, room, allowed) if room >= 0 else None
+        if candidate is not None and (found is None or (candidate.seconds, candidate.activation_bytes)
+                                      < (found.seconds, found.activation_bytes)):
+            found, prefetch = candidate, pre
     if found is None:
-        least_peak = _peak(shape, state, work, least).peak
+        least = x.least_peak(cfg.training.seq_len, allowed)
         raise ValueError(f"--memory.budget_gib {mem.budget_gib} cannot be met: the least any plan of "
-                         f"{'/'.join(allowed)} per block needs is {math.ceil(least_peak / 2**30 * 1e4) / 1e4:.4f} GiB "
+                         f"{'/'.join(allowed)} per block needs is {math.ceil(least / 2**30 * 1e4) / 1e4:.4f} GiB "
                          f"per rank; raise the budget to that, shard more or lower --training.local_batch_size"
                          + ("" if "offload" in allowed else " (or allow offload in --memory.plan_choices)"))
-    per_stage = list(found.choices)
-    choices = tuple(per_stage * pd.pp)[: len(plan.model.layers)]
-    base = 3 * microbatches * (work.blocks * forward + output)
-    return BudgetPlan(budget, found, choices, _peak(shape, state, work, found.activation_bytes),
-                      base + found.seconds, base, gbps * 1e9, prefetch or "offload" not in found.choices)
+    pd = plan.parallel_dims
+    choices = tuple(list(found.choices) * pd.pp)[: len(plan.model.layers)]
+    base = 3 * x.microbatches * (x.work.blocks * forward + output)
+    return BudgetPlan(budget, found, choices, _peak(x.shape, x.state, x.work, found.activation_bytes),
+                      base + found.seconds, base, x.bandwidth, prefetch or "offload" not in found.choices)
 
 
 def resolve_budget(cfg, world_size: int):
