@@ -103,3 +103,21 @@ def test_bad_choices_fail_with_one_line():
         check_block_choices(Memory(block_choices=["offload"]), ActivationCheckpoint(mode="full"), 4)
     with pytest.raises(ValueError, match="drop --memory.block_choices"):
         check_block_choices(Memory(budget_gib=1.0, block_choices=["offload"]), none, 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned-host tier needs a CUDA device")
+def test_pinned_host_offload_is_bitwise_identical_on_cuda(tmp_path):
+    """CUDA: saved tensors to pinned host memory on a side stream and back; gradients equal keep's."""
+    def grads(choices):
+        args = dataclasses.replace(llama3_flavors["debugmodel_tiny"], n_layers=4)
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = Transformer(args)
+            model.init_weights()
+        apply_block_choices(model, choices, torch.device("cuda", torch.cuda.current_device()))
+        tokens = torch.randint(0, 2048, (2, 65), generator=torch.Generator().manual_seed(1)).cuda()
+        cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    for a, b in zip(grads([]), grads(["offload"])):
+        assert torch.equal(a, b)
