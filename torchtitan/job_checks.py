@@ -51,6 +51,8 @@ _RULES = {
     "training.source_retries": ((lambda v: v >= 0), "0 (fail at the first error) or more"),
     "training.source_retry_backoff_s": _non_negative_number(),
     "training.loss_chunk_size": _minus_one_or_at_least(1, "auto"),
+    "memory.budget_gib": ((lambda v: math.isfinite(v) and v >= 0), "0 (no budget) or a positive number of GiB"),
+    "memory.offload_bandwidth_gbps": ((lambda v: math.isfinite(v) and v >= 0), "0 (the stated default) or a positive number"),
     "validation.freq": _at_least(1),
     "validation.steps": _minus_one_or_at_least(1, "the whole validation split"),
     "validation.local_batch_size": _at_least(1),

@@ -19,7 +19,7 @@ from torchtitan.components.hf_folder import check_weight_shapes, weight_shapes
 from torchtitan.components.muon import check_muon_config
 from torchtitan.components.quantization import ModelConverters, build_model_converters
 from torchtitan.config import JobConfig
-from torchtitan.distributed.activation_checkpoint import check_ac_config
+from torchtitan.distributed.activation_checkpoint import check_ac_config, check_block_choices
 from torchtitan.distributed.compile import check_compile_config, compiles
 from torchtitan.distributed.context_parallel_a2a import check_cp_method
 from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims, parallel_dims_from_config
@@ -80,6 +80,7 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
     converters = build_model_converters(cfg, pd, torch.device(device_type))
     converters.convert(model)
     _check_model_inputs(cfg, model)
+    check_block_choices(cfg.memory, cfg.activation_checkpoint, len(model.layers))
 
     pipeline_plan = None
     if pd.pp_enabled:

@@ -2,7 +2,8 @@
 
     python -m torchtitan.preflight --world-size 8 --job.config_file recipe.toml [--section.key value ...]
 
-Prints one line naming the problem and exits non-zero on bad input; prints nothing and exits 0 otherwise.
+Prints one line naming the problem and exits non-zero on bad input; otherwise exits 0, printing only the memory
+plan when the job has a --memory.budget_gib.
 """
 
 import os
@@ -24,12 +25,15 @@ def main(argv: list[str]) -> int:
         return 2
     from torchtitan.errors import USER_ERRORS
     from torchtitan.job_plan import plan_job
+    from torchtitan.planning.memory_budget import plan_budget
 
     try:
-        plan_job(cfg, world_size * nnodes)
+        budget = plan_budget(cfg, plan_job(cfg, world_size * nnodes))
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if budget is not None:
+        print(budget.summary())
     return 0
 
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torchtitan.config import ConfigError
 from torchtitan.protocols.train_spec import config_manager
 from torchtitan.errors import USER_ERRORS
+from torchtitan.planning.memory_budget import resolve_budget
 from torchtitan.tools.restart import LAUNCHED_ENV, peer_reported_user_error, record_failure
 from torchtitan.trainer import Trainer
 
@@ -33,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     trainer = None
     try:
+        # A memory budget becomes per-block choices here, before the trainer builds anything.
+        cfg, budget = resolve_budget(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        if budget is not None and int(os.environ.get("RANK", "0")) == 0:
+            print(budget.summary(), flush=True)
         trainer = Trainer(cfg)
         trainer.train()
     except USER_ERRORS as e:

@@ -425,6 +425,41 @@ class ActivationCheckpoint:
 
 
 @dataclass
+class Memory:
+    """A per-rank memory budget, and what each transformer block does with its activations
+    (docs/memory_budget.md)."""
+
+    budget_gib: float = 0.0
+    """Per-rank peak memory budget in GiB; 0 = none. Before any rank starts, the planner
+    (torchtitan/planning/memory_budget.py) chooses per block keep, op (selective op recompute), full
+    (recompute) or offload, by an exact search for the least predicted step time whose estimated peak stays
+    within the budget; it prints the plan, or refuses with the smallest budget that could work. Needs
+    --activation_checkpoint.mode none (the plan decides recomputation) and empty --memory.block_choices."""
+
+    block_choices: list[str] = field(default_factory=list)
+    """Per-block choices by hand, one per transformer block in order (or one for every block): keep, op
+    (selective AC, op policy), full (full AC) or offload (saved activations to --memory.offload_dir on CPU,
+    to pinned host memory on CUDA). Empty = --activation_checkpoint decides, or the budget's planner."""
+
+    plan_choices: list[str] = field(default_factory=lambda: ["keep", "op", "full", "offload"])
+    """The choices the budget's planner may use per block (e.g. keep,op,full: no offload)."""
+
+    offload_prefetch: bool = True
+    """Offload: write a block's group while the next block runs forward and read the next group back while
+    this one runs backward (two groups in RAM, the moves hidden behind compute); false = move each group
+    while its block waits (one group in RAM). The budget's planner sets it."""
+
+    offload_dir: str = ""
+    """CPU offload: directory for the offloaded activations' files (default: the system temp directory).
+    Use a local disk: on a tmpfs the files stay in RAM."""
+
+    offload_bandwidth_gbps: float = 0.0
+    """Bandwidth (GB/s, each way) of the offload tier the planner prices offload with; 0 = the stated default
+    (CPU files: OFFLOAD_BANDWIDTH_CPU; CUDA pinned host: OFFLOAD_BANDWIDTH_CUDA in planning/memory_budget.py).
+    scripts/bench_memory_budget.py measures this machine's."""
+
+
+@dataclass
 class Compile:
     enable: bool = False
     """torch.compile the components listed in `components`."""
@@ -558,6 +593,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    memory: Memory = field(default_factory=Memory)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
     comm: Comm = field(default_factory=Comm)

@@ -13,6 +13,10 @@ Modes (`--activation_checkpoint.mode`):
 AC never changes the numbers: recomputation runs the same ops on the same inputs, so gradients are bitwise
 equal to a run without AC (tests/unit/test_activation_checkpoint.py checks this for every mode).
 
+Per block (`--memory.block_choices`, or the plan `--memory.budget_gib` resolves to): keep | op | full | offload,
+where offload moves the block's saved activations to a slower tier (distributed/activation_offload.py) instead
+of recomputing them; `apply_block_choices` wraps each block by its choice.
+
 Blocks are wrapped with torch.distributed's checkpoint_wrapper. Its state-dict hooks strip the wrapper's
 `_checkpoint_wrapped_module.` prefix, so checkpoints and HF exports keep the plain parameter names; attribute
 access (block.attention) falls through to the wrapped block.
@@ -26,6 +30,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtitan.config.job_config import ActivationCheckpoint as ACConfig
+from torchtitan.config.job_config import Memory as MemoryConfig
+from torchtitan.distributed.activation_offload import ActivationOffloader, OffloadedBlock, make_tier
 from torchtitan.tools.logging import logger
 
 _aten = torch.ops.aten
@@ -122,3 +128,52 @@ def apply_ac(model: nn.Module, cfg: ACConfig, *, model_compiled: bool = False) -
     label = f"selective {option}" if cfg.mode == "selective" else cfg.mode
     what = ", ".join(f"{n} {kind}" for kind, n in wrapped.items()) or "none"
     logger.info(f"Activation checkpointing ({label}): {what} of {len(model.layers)} blocks checkpointed")
+
+
+BLOCK_CHOICES = ("keep", "op", "full", "offload")
+"""What a block does with the activations its backward needs: keep them, recompute the cheap ops (selective
+op), recompute the whole block (full), or offload them."""
+
+
+def check_block_choices(mem: MemoryConfig, ac: ACConfig, n_blocks: int) -> None:
+    """Raises ValueError (one line) for per-block choices, or a budget, that cannot run with `ac`."""
+    if mem.budget_gib and mem.block_choices:
+        raise ValueError("--memory.budget_gib makes the planner choose every block: drop --memory.block_choices "
+                         "(or the budget, to choose by hand)")
+    per_block = "--memory.budget_gib" if mem.budget_gib else "--memory.block_choices" if mem.block_choices else None
+    if per_block and ac.mode != "none":
+        raise ValueError(f"{per_block} decides recomputation per block and cannot compose with "
+                         f"--activation_checkpoint.mode {ac.mode}: set it to none")
+    for option in ("block_choices", "plan_choices"):
+        unknown = [c for c in getattr(mem, option) if c not in BLOCK_CHOICES]
+        if unknown:
+            raise ValueError(f"--memory.{option} {unknown[0]!r} is not a choice: use {', '.join(BLOCK_CHOICES)}")
+    if not mem.plan_choices:
+        raise ValueError(f"--memory.plan_choices is empty: give some of {', '.join(BLOCK_CHOICES)}")
+    if len(mem.block_choices) not in (0, 1, n_blocks):
+        raise ValueError(f"--memory.block_choices has {len(mem.block_choices)} entries for a model of {n_blocks} "
+                         f"blocks: give one per block, or one for all")
+
+
+def apply_block_choices(model: nn.Module, choices: list[str], device: torch.device,
+                        offload_dir: str = "", prefetch: bool = True) -> ActivationOffloader | None:
+    """Wraps each block of `model.layers` (a whole model or a pipeline stage, whose block keys are the global
+    block indices) by its choice, in place (before compile and FSDP); returns the offloader when a block
+    offloads. One choice applies to every block."""
+    if not choices:
+        return None
+    offloader = None
+    counts: dict[str, int] = defaultdict(int)
+    for name, block in model.layers.named_children():
+        choice = choices[0] if len(choices) == 1 else choices[int(name)]
+        counts[choice] += 1
+        if choice == "op":
+            model.layers.register_module(name, _wrap_op_level(block))
+        elif choice == "full":
+            model.layers.register_module(name, _wrap_full(block))
+        elif choice == "offload":
+            offloader = offloader or ActivationOffloader(make_tier(device, offload_dir), prefetch)
+            model.layers.register_module(name, OffloadedBlock(block, offloader))
+    logger.info("Per-block memory choices: " + ", ".join(f"{n} {c}" for c, n in counts.items())
+                + f" of {len(model.layers)} blocks")
+    return offloader

@@ -87,7 +87,8 @@ def apply_compile(model: nn.Module) -> None:
     """Compiles each transformer block of `model.layers` in place."""
     configure_compile_cache()
     for block in model.layers.values():
-        block.compile(fullgraph=True)
+        # An offloaded block compiles the block inside, so its saved-tensor hooks stay outside the graph.
+        getattr(block, "compile_target", block).compile(fullgraph=True)
     if getattr(model, "tok_embeddings", None) is not None:
         model.tok_embeddings.register_forward_hook(_wait_for_async_output)
     logger.info(f"Compiling {len(model.layers)} transformer blocks (cache: {configure_compile_cache()})")

@@ -11,7 +11,8 @@ pipeline stage (distributed.pipeline cuts the model first and calls the family's
            column-wise with loss parallel) and the family's block plan; float8 styles where Float8 TP is on,
            async TP where configured. Between blocks activations are sequence shards (Shard(1)).
   EP       every MoE layer's routed experts split over the ep ranks (distributed.expert_parallel.apply_ep).
-  AC       per block (distributed.activation_checkpoint), then compile per block, then FSDP: blocks,
+  AC       per block (distributed.activation_checkpoint; or keep/op/full/offload per block from
+           --memory.block_choices), then compile per block, then FSDP: blocks,
            embedding, norm + output, and the routed experts as their own groups over the expert mesh.
 
 CP only swaps attention kernels and sets positions, so its order against TP does not matter; FSDP comes last
@@ -47,7 +48,7 @@ from torch.distributed.tensor.parallel import (
 
 from torchtitan.components.quantization.float8 import uses_float8_tensor_parallel
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.activation_checkpoint import apply_ac, apply_block_choices
 from torchtitan.distributed.compile import apply_compile, check_compile_config, compiles, enable_async_tp
 from torchtitan.distributed.context_parallel import RotateMethod, load_balanced_indices
 from torchtitan.distributed.context_parallel_a2a import CPMethod, cp_attention_factory
@@ -235,6 +236,11 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, seq_len: int, rotate_meth
     model.fixed_positions = load_balanced_indices(seq_len, cp_size, cp_rank).to(_rank_device(cp_mesh))
 
 
+def _device(device_type: str) -> torch.device:
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, torch.get_device_module(device_type).current_device())
+
 
 def _rank_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cpu":
@@ -271,6 +277,8 @@ def parallelize(
         plan.extra(model, pd, job_config)
     experts = apply_ep(model, pd.submesh("ep")) if pd.ep_enabled else []
     apply_ac(model, job_config.activation_checkpoint, model_compiled=compile_model)
+    mem = job_config.memory
+    apply_block_choices(model, mem.block_choices, _device(device_type), mem.offload_dir, mem.offload_prefetch)
     if compile_model:
         apply_compile(model)
     if pd.fsdp_enabled:

@@ -38,6 +38,7 @@ from torchtitan.errors import USER_ERRORS
 from torchtitan.job_plan import JobPlan, plan_job
 from torchtitan.planning.cp_comm import cp_comm_line
 from torchtitan.planning.hardware import Device, headroom_note, memory_limit
+from torchtitan.planning.memory_budget import BudgetPlan, plan_budget
 from torchtitan.planning.memory import MUON_STEP_COMPONENT, MemoryEstimate, ModelShape, StateBytes, estimate_memory, rank_work
 from torchtitan.protocols.model_shape import base_model_args
 from torchtitan.protocols.train_spec import get_train_spec
@@ -87,6 +88,8 @@ class DryRunReport:
     plan: JobPlan | None = None
     cp_comm: str | None = None
     """Bytes per rank per attention layer of the configured context-parallel method and its alternatives."""
+    budget: BudgetPlan | None = None
+    """The per-block memory plan of --memory.budget_gib (None without a budget)."""
 
 
 def default_ranks(pp: int, world_size: int) -> list[int]:
@@ -299,6 +302,10 @@ def dry_run(
         return report
     pd = plan.parallel_dims
     report.plan = plan
+    try:  # --memory.budget_gib: the per-block plan for the target device (or this machine)
+        report.budget = plan_budget(cfg, plan, flops=device.bf16_flops if device else None, on_gpu=device is not None)
+    except USER_ERRORS as e:
+        errors.append(_one_line(e))
     report.layout = " x ".join(
         f"{name} {getattr(pd, name)}" for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if getattr(pd, name) > 1
     ) or "single rank"
@@ -349,5 +356,7 @@ def format_report(report: DryRunReport) -> str:
                 lines.append(f"estimated peak memory of rank {r.rank}:\n{r.memory.table()}")
     if report.cp_comm:
         lines.append(report.cp_comm)
+    if report.budget is not None:
+        lines.append(report.budget.summary())
     lines += [f"error: {e}" for e in report.errors] or ["no validation errors"]
     return "\n".join(lines)

@@ -122,6 +122,10 @@ class RankWork:
     cp_all_to_all: bool = False
     """Context parallel by all-to-all (ulysses / hierarchical): without AC each block also keeps the
     head-sharded attention output beside the sequence-sharded copy its output projection keeps."""
+    block_activation_bytes: int | None = None
+    """Bytes all blocks keep for backward, all microbatches in flight together, when a per-block plan decides
+    them (planning/memory_budget.py: keep, op, full or offload per block); None = `ac`'s formula for every
+    block."""
 
 
 @dataclasses.dataclass
@@ -172,6 +176,8 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
     if not w.holds_embedding and not w.pp_recv_buffers:
         outside += shape.dim * w.act_bytes / w.tp  # the stage input received from the previous stage
     activations = int(tokens * (blocks + outside) * w.in_flight)
+    if w.block_activation_bytes is not None:
+        activations = w.block_activation_bytes + int(tokens * outside * w.in_flight)
     # When backward starts: the logits (still referenced by the caller), the fp32 gradient of the
     # log-probabilities and the fp32 gradient of the logits, each over the (local) vocabulary.
     # Chunked: the logits and the gradient buffer they get (both in the logits' dtype), and one chunk's

@@ -1,0 +1,374 @@
+"""Memory budget planner: per transformer block keep, op (selective recompute), full (recompute) or offload,
+the mix with the least predicted step time whose per-rank peak stays within `--memory.budget_gib`.
+
+SwapAdvisor's question asked of whole blocks. Inputs, per block of the busiest rank (the first pipeline rank,
+which keeps the most microbatches in flight; every stage then uses the plan of its position):
+  bytes    what the block keeps for backward under each choice (the estimator's per-block formulas,
+           planning/memory.py, x tokens x microbatches in flight), and what it holds for a while on top
+           (transient): recomputation rebuilds what it did not keep during the block's backward; offload keeps
+           nothing, but while the groups move RESIDENT_GROUPS groups (one microbatch's saved tensors of one
+           block each) are in RAM with prefetch (the one being written while the next block runs forward; the
+           one in use and the one prefetched in backward), one without (distributed/activation_offload.py).
+           Transients of different blocks come at different times: a plan counts the largest
+  seconds  what the choice adds to a step: full = the block's forward over the step's microbatches (FLOPs at
+           `mfu` of the device's peak); op = OP_RECOMPUTE_FRACTION of it; offload with prefetch = per
+           microbatch, the write (group bytes / tier bandwidth) minus the next block's forward it overlaps, plus
+           the read minus the next block's backward (2 forwards) it overlaps (the last block overlaps the
+           output projection's forward instead); without prefetch, the write and the read in full. The planner
+           tries offload with and without prefetch (--memory.offload_prefetch) and keeps the better plan
+The peak is the estimator's (planning/memory.py, `RankWork.block_activation_bytes`), monotone in the blocks'
+bytes, so the budget becomes a cap on them (`activation_room`, by bisection).
+
+Search (`solve`): exact. For each candidate largest transient T (0, or any block's transient under any
+allowed choice), a dynamic programme over the blocks, with memory in units of the gcd of the blocks' kept
+bytes (so the discretisation is exact; above MAX_UNITS units bytes are rounded up, which keeps the plan within
+the budget but may miss a plan at its very edge, and the plan says so), minimises the added seconds subject
+to kept bytes <= cap - T, each block limited to the choices whose transient is <= T. The best over all T is
+optimal: the optimal plan's largest transient is one of the candidates. `brute_force` checks it
+(tests/unit/test_memory_budget.py), and the same check catches a greedy rule.
+"""
+
+import dataclasses
+import itertools
+import math
+
+import numpy as np
+import torch
+
+from torchtitan.planning.memory import (
+    MemoryEstimate,
+    ModelShape,
+    RankWork,
+    StateBytes,
+    block_elems_per_token,
+    estimate_memory,
+    rank_work,
+)
+from torchtitan.planning.step_time import DEFAULT_MFU
+
+CHOICES = ("keep", "op", "full", "offload")
+RESIDENT_GROUPS = 2
+"""Offloaded groups resident at once (see the module docstring)."""
+OFFLOAD_BANDWIDTH_CPU = 1.0
+"""GB/s each way of the CPU file tier when not given (--memory.offload_bandwidth_gbps): a conservative local
+SSD figure; scripts/bench_memory_budget.py measures the machine's and passes it."""
+OFFLOAD_BANDWIDTH_CUDA = 20.0
+"""GB/s each way of pinned host memory over PCIe 4/5 x16 (stated, not measured here)."""
+OP_RECOMPUTE_FRACTION = 0.1
+"""Share of a block's forward time that selective "op" recompute adds (it redoes norms, RoPE, SiLU and
+products, no matmul): stated; these ops are memory-bound and a few % to ~15% of a block's forward."""
+MAX_UNITS = 1_000_000
+"""Largest memory axis of the dynamic programme."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCost:
+    bytes: tuple[int, ...]
+    """Bytes the block keeps for backward until its backward, per choice of CHOICES (offload: 0)."""
+    seconds: tuple[float, ...]
+    """Seconds the choice adds to a step, per choice of CHOICES (keep: 0)."""
+    transient: tuple[int, ...]
+    """Bytes the choice holds for a while on top (per choice): what recomputation rebuilds during the block's
+    backward, or the offloaded groups in RAM while they move. Transients of different blocks happen at
+    different times, so a plan counts only the largest."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    choices: tuple[str, ...]
+    activation_bytes: int
+    """Kept bytes of every block + the largest transient."""
+    seconds: float
+    """Seconds the plan adds to a step."""
+    exact: bool = True
+    """False when the memory axis was coarsened (bytes rounded up; see the module docstring)."""
+
+
+def activation_bytes(blocks: list[BlockCost], choices: tuple[str, ...]) -> int:
+    """What `choices` need: every block's kept bytes, plus the largest transient."""
+    idx = [CHOICES.index(c) for c in choices]
+    return sum(b.bytes[i] for b, i in zip(blocks, idx)) + max(b.transient[i] for b, i in zip(blocks, idx))
+
+
+def plan_seconds(blocks: list[BlockCost], choices: tuple[str, ...]) -> float:
+    total = 0.0
+    for b, c in zip(blocks, choices):  # summed in block order, as the dynamic programme does
+        total += b.seconds[CHOICES.index(c)]
+    return total
+
+
+def brute_force(blocks: list[BlockCost], room: int, allowed: tuple[str, ...] = CHOICES) -> BlockPlan | None:
+    """Every combination; the least seconds, then the least bytes. For tests and tiny models."""
+    best = None
+    for choices in itertools.product(allowed, repeat=len(blocks)):
+        used = activation_bytes(blocks, choices)
+        if used > room:
+            continue
+        key = (plan_seconds(blocks, choices), used)
+        if best is None or key < best[0]:
+            best = (key, choices)
+    return None if best is None else BlockPlan(best[1], best[0][1], best[0][0])
+
+
+def _dp(blocks: list[BlockCost], allowed: list[list[int]], room: int) -> tuple[tuple[str, ...], bool] | None:
+    weights = [b.bytes[c] for b, a in zip(blocks, allowed) for c in a]
+    # Sums of multiples of the gcd fit the room exactly when they fit its largest multiple of the gcd.
+    quantum = max(1, math.gcd(*weights))
+    exact = room // quantum <= MAX_UNITS
+    if not exact:
+        quantum = -(-room // MAX_UNITS)
+    units = room // quantum
+    best = np.full(units + 1, np.inf)
+    best[0] = 0.0
+    picks = np.full((len(blocks), units + 1), -1, dtype=np.int8)
+    for i, (b, options) in enumerate(zip(blocks, allowed)):
+        new = np.full(units + 1, np.inf)
+        for c in options:
+            w = -(-b.bytes[c] // quantum)
+            if w > units:
+                continue
+            cand = np.full(units + 1, np.inf)
+            cand[w:] = best[: units + 1 - w] + b.seconds[c]
+            better = cand < new
+            new[better] = cand[better]
+            picks[i, better] = c
+        best = new
+    if not np.isfinite(best).any():
+        return None
+    u = int(np.argmin(best))  # the least seconds; among equal ones the fewest units
+    choices = []
+    for i in range(len(blocks) - 1, -1, -1):
+        c = int(picks[i, u])
+        choices.append(CHOICES[c])
+        u -= -(-blocks[i].bytes[c] // quantum)
+    return tuple(reversed(choices)), exact
+
+
+def solve(blocks: list[BlockCost], room: int, allowed: tuple[str, ...] = CHOICES) -> BlockPlan | None:
+    """The plan with the least added seconds whose activation bytes are <= `room` (None: nothing fits),
+    using only the `allowed` choices."""
+    best: BlockPlan | None = None
+    ok = [CHOICES.index(c) for c in allowed]
+    for largest in sorted({t for b in blocks for c, t in enumerate(b.transient) if c in ok}):
+        cap = room - largest
+        if cap < 0:
+            continue
+        options = [[c for c in ok if b.transient[c] <= largest] for b in blocks]
+        if not all(options):
+            continue
+        found = _dp(blocks, options, cap)
+        if found is None:
+            continue
+        choices, exact = found
+        plan = BlockPlan(choices, activation_bytes(blocks, choices), plan_seconds(blocks, choices), exact)
+        if best is None or (plan.seconds, plan.activation_bytes) < (best.seconds, best.activation_bytes):
+            best = plan
+    return best
+
+
+def least_bytes(blocks: list[BlockCost], allowed: tuple[str, ...] = CHOICES) -> int:
+    """The fewest activation bytes any plan of the `allowed` choices needs."""
+    ok = [CHOICES.index(c) for c in allowed]
+    best = None
+    for largest in sorted({t for b in blocks for c, t in enumerate(b.transient) if c in ok}):
+        options = [[c for c in ok if b.transient[c] <= largest] for b in blocks]
+        if all(options):
+            need = largest + sum(min(b.bytes[c] for c in o) for b, o in zip(blocks, options))
+            best = need if best is None else min(best, need)
+    return best
+
+
+# ---- from a job to block costs ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class BudgetPlan:
+    """What `--memory.budget_gib` resolves to, and what the planner predicts for it."""
+
+    budget_bytes: int
+    plan: BlockPlan
+    choices: tuple[str, ...]
+    """One per block of the model (every pipeline stage uses its positions' choices)."""
+    memory: MemoryEstimate
+    step_seconds: float
+    """Predicted step: forward + backward of the rank's blocks and output, plus what the plan adds."""
+    base_seconds: float
+    bandwidth: float
+    """Offload tier bytes/s used."""
+    prefetch: bool = True
+    """Offload with prefetch (--memory.offload_prefetch)."""
+
+    def summary(self) -> str:
+        runs, prev = [], None
+        for i, c in enumerate(self.choices):
+            if c != prev:
+                runs.append([i, i, c])
+                prev = c
+            else:
+                runs[-1][1] = i
+        blocks = ", ".join(f"{a}-{b} {c}" if a != b else f"{a} {c}" for a, b, c in runs)
+        note = "" if self.plan.exact else " (memory axis coarsened: see planning/memory_budget.py)"
+        return (f"memory plan for a budget of {self.budget_bytes / 2**30:.2f} GiB per rank: blocks {blocks}"
+                + ("" if self.prefetch else " (offload without prefetch)") +
+                f"; predicted peak {self.memory.peak / 2**30:.2f} GiB, predicted step {self.step_seconds:.3f} s "
+                f"({self.base_seconds:.3f} s without recompute or offload, +{self.plan.seconds:.3f} s){note}")
+
+
+def _rank_state_bytes(model: torch.nn.Module, pd, optimizer: str) -> StateBytes:
+    """Parameter, gradient and optimizer bytes of the first pipeline rank, the parameters spread evenly over
+    the FSDP and TP ranks (the dry run builds each rank for exact figures)."""
+    def nbytes(ps) -> int:
+        return sum(p.numel() * p.element_size() for p in ps)
+
+    layers = list(model.layers.values())
+    blocks = nbytes(p for b in layers for p in b.parameters())
+    rest = nbytes(model.parameters()) - blocks
+    if pd.pp > 1:  # the first rank: its share of the blocks and the embedding
+        emb = getattr(model, "tok_embeddings", None)
+        rest = nbytes(emb.parameters()) if emb is not None else 0
+    shard = (pd.dp_shard * pd.cp if pd.fsdp_enabled else 1) * pd.tp
+    params = int((blocks / pd.pp + rest) / shard)
+    states = 2 if optimizer in ("Adam", "AdamW") else 1
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return StateBytes(params, params, states * params, buffers)
+
+
+def _budget_work(cfg, plan, shape: ModelShape, on_gpu: bool) -> RankWork:
+    pd = plan.parallel_dims
+    n_blocks = len(plan.model.layers)
+    return rank_work(cfg, pd, plan.grad_accum, blocks=n_blocks // pd.pp, holds_embedding=True,
+                     holds_output=pd.pp == 1, shape=shape, pp_rank=0, on_gpu=on_gpu)
+
+
+def block_costs(shape: ModelShape, work: RankWork, seq_len: int, microbatches: int, flops: float,
+                bandwidth: float, prefetch: bool = True) -> tuple[list[BlockCost], float, float]:
+    """(costs of the rank's blocks, one block's forward seconds per microbatch, the output's) for `work`,
+    with offload's prefetch on (two groups resident, moves overlapped) or off (one, moves exposed)."""
+    w = work
+    tokens = w.tokens_per_microbatch / w.cp
+    q_dim = shape.q_dim or shape.dim
+    forward = tokens * (2 * shape.block_params + 2 * seq_len * q_dim) / w.tp / flops
+    output = tokens * 2 * shape.dim * shape.vocab / w.tp / flops if w.holds_output else 0.0
+    group, op, full = (int(tokens * block_elems_per_token(shape, c, w.tp) * w.act_bytes) for c in ("none", "op", "full"))
+    kept = (int(group * w.in_flight), int(op * w.in_flight), int(full * w.in_flight), 0)
+    # Recomputation rebuilds, during the block's backward, what keep would have kept and the choice did not.
+    transient = (0, group - op, group - full, (RESIDENT_GROUPS if prefetch else 1) * group)
+    move = group / bandwidth
+    costs = []
+    for i in range(w.blocks):
+        overlap = forward if i + 1 < w.blocks else output
+        offload = max(0.0, move - overlap) + max(0.0, move - 2 * overlap) if prefetch else 2 * move
+        seconds = (0.0, OP_RECOMPUTE_FRACTION * forward, forward, offload)
+        costs.append(BlockCost(kept, tuple(microbatches * x for x in seconds), transient))
+    return costs, forward, output
+
+
+def _peak(shape, state, work, block_bytes: int) -> MemoryEstimate:
+    return estimate_memory(shape, state, dataclasses.replace(work, block_activation_bytes=block_bytes))
+
+
+def activation_room(shape, state, work, budget: int) -> int:
+    """The most block activation bytes whose estimated peak is within `budget` (-1: not even none)."""
+    if _peak(shape, state, work, 0).peak > budget:
+        return -1
+    lo, hi = 0, 1
+    while _peak(shape, state, work, hi).peak <= budget:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _peak(shape, state, work, mid).peak <= budget else (lo, mid)
+    return lo
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    shape: ModelShape
+    state: StateBytes
+    work: RankWork
+    microbatches: int
+    flops: float
+    """Achieved FLOP/s (peak x mfu)."""
+    bandwidth: float
+
+    def costs(self, seq_len: int, prefetch: bool):
+        return block_costs(self.shape, self.work, seq_len, self.microbatches, self.flops, self.bandwidth, prefetch)
+
+    def least_peak(self, seq_len: int, allowed: tuple[str, ...]) -> int:
+        least = min(least_bytes(self.costs(seq_len, pre)[0], allowed) for pre in (True, False))
+        return _peak(self.shape, self.state, self.work, least).peak
+
+
+def _inputs(cfg, plan, flops: float | None, on_gpu: bool | None, mfu: float) -> _Inputs:
+    shape = ModelShape.from_args(plan.model_args)
+    if shape is None:
+        raise ValueError(f"--memory.budget_gib plans with the memory estimator's dense-block formulas, which "
+                         f"model {cfg.model.name!r} does not declare (BaseModelArgs.transformer_shape); use "
+                         f"--memory.block_choices instead")
+    pd = plan.parallel_dims
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    on_gpu = device.type == "cuda" if on_gpu is None else on_gpu
+    if flops is None:
+        from torchtitan.tools.device_peak import peak_flops
+
+        flops = peak_flops(device, plan.precision.mixed)
+    state = _rank_state_bytes(plan.model, pd, cfg.optimizer.name)
+    work = _budget_work(cfg, plan, shape, on_gpu)
+    microbatches = plan.grad_accum * (cfg.training.local_batch_size // cfg.parallelism.pipeline_parallel_microbatch_size
+                                      if pd.pp > 1 else 1)
+    gbps = cfg.memory.offload_bandwidth_gbps or (OFFLOAD_BANDWIDTH_CUDA if on_gpu else OFFLOAD_BANDWIDTH_CPU)
+    return _Inputs(shape, state, work, microbatches, flops * mfu, gbps * 1e9)
+
+
+def least_budget(cfg, plan, *, flops: float | None = None, on_gpu: bool | None = None,
+                 mfu: float = DEFAULT_MFU) -> int:
+    """The smallest per-rank peak (bytes) any plan of --memory.plan_choices reaches for this job."""
+    return _inputs(cfg, plan, flops, on_gpu, mfu).least_peak(cfg.training.seq_len, tuple(cfg.memory.plan_choices))
+
+
+def plan_budget(cfg, plan, *, flops: float | None = None, on_gpu: bool | None = None,
+                mfu: float = DEFAULT_MFU) -> BudgetPlan | None:
+    """The per-block plan for `cfg.memory.budget_gib` of a job judged by plan_job (None without a budget).
+    `flops` = the device's peak FLOP/s (default: this machine's, tools/device_peak); `on_gpu` the target
+    (default: this machine). Raises ValueError with one line when the budget cannot be met."""
+    mem = cfg.memory
+    if not mem.budget_gib:
+        return None
+    budget = int(mem.budget_gib * 2**30)
+    x = _inputs(cfg, plan, flops, on_gpu, mfu)
+    if x.state.params > budget:
+        raise ValueError(f"--memory.budget_gib {mem.budget_gib} is below this rank's own parameters "
+                         f"({x.state.params / 2**30:.4f} GiB): raise it or shard the model over more ranks (FSDP/TP/PP)")
+    allowed = tuple(mem.plan_choices)
+    room = activation_room(x.shape, x.state, x.work, budget)
+    found, prefetch = None, True
+    for pre in (True, False):  # offload with prefetch (moves hidden, two groups in RAM) or without (one)
+        costs, forward, output = x.costs(cfg.training.seq_len, pre)
+        candidate = solve(costs, room, allowed) if room >= 0 else None
+        if candidate is not None and (found is None or (candidate.seconds, candidate.activation_bytes)
+                                      < (found.seconds, found.activation_bytes)):
+            found, prefetch = candidate, pre
+    if found is None:
+        least = x.least_peak(cfg.training.seq_len, allowed)
+        raise ValueError(f"--memory.budget_gib {mem.budget_gib} cannot be met: the least any plan of "
+                         f"{'/'.join(allowed)} per block needs is {math.ceil(least / 2**30 * 1e4) / 1e4:.4f} GiB "
+                         f"per rank; raise the budget to that, shard more or lower --training.local_batch_size"
+                         + ("" if "offload" in allowed else " (or allow offload in --memory.plan_choices)"))
+    pd = plan.parallel_dims
+    choices = tuple(list(found.choices) * pd.pp)[: len(plan.model.layers)]
+    base = 3 * x.microbatches * (x.work.blocks * forward + output)
+    return BudgetPlan(budget, found, choices, _peak(x.shape, x.state, x.work, found.activation_bytes),
+                      base + found.seconds, base, x.bandwidth, prefetch or "offload" not in found.choices)
+
+
+def resolve_budget(cfg, world_size: int):
+    """(the job config the trainer runs, the budget's plan or None): with `--memory.budget_gib`, the plan's
+    per-block choices become `--memory.block_choices` (and the budget 0), so the trainer, its saved
+    config.toml and a resumed run apply exactly this plan. Raises the one-line errors of plan_job and
+    plan_budget."""
+    from torchtitan.job_plan import plan_job
+
+    if not cfg.memory.budget_gib:
+        return cfg, None
+    budget = plan_budget(cfg, plan_job(cfg, world_size))
+    memory = dataclasses.replace(cfg.memory, budget_gib=0.0, block_choices=list(budget.choices),
+                                 offload_prefetch=budget.prefetch)
+    return dataclasses.replace(cfg, memory=memory), budget
