@@ -274,7 +274,7 @@ class Trainer:
             loss_sum += loss_value(loss)
             for k, v in out.metrics.items():
                 model_metrics[k] = model_metrics.get(k, 0) + v.detach() / len(microbatches)
-        fault_injection.point(self.train_state.step + 1, self.model_parts)
+        fault_injection.point(self.train_state.step + 1, self.model_parts, self.optimizers)
         self.step_clock.ready()
         if self.replicas is not None:
             self.replicas.average_gradients(self.model_parts)

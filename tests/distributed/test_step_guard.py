@@ -24,8 +24,8 @@ from tests.distributed.trainer_runs import read_metrics, train
 pytestmark = pytest.mark.distributed
 
 FSDP2 = ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]
-# A short window judges the early, fast-moving curve: 20 robust standard deviations keep its natural rises (up to
-# 1.7x the median gradient norm here) from counting, while the poisoned step is 1e4x (or NaN).
+# A short window judges the early, fast-moving curve; a threshold of 20 leaves a wide margin under the poisoned
+# step (1e4x, or NaN) while the natural rises of the first steps stay far below it.
 GUARD = ["--guard.enable", "--guard.window", "4", "--guard.threshold", "20"]
 STEPS = ["--training.steps", "8"]
 SEED = int(os.environ.get("TORCHTITAN_FAULT_SEED", "0"))

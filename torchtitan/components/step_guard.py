@@ -2,14 +2,30 @@
 
 A value is an event when it is not finite, or, once `window` accepted steps are known, when it is above
 
-    median + threshold x scale,   scale = max(1.4826 x MAD, 1% of |median|)
+    max + threshold x scale,   scale = max(1.4826 x MAD, floor x |median|)
 
-over those steps (MAD: the median absolute deviation; 1.4826 x MAD estimates a standard deviation, but a few
-spikes in the window do not inflate it as they would a standard deviation; the 1% floor keeps a flat curve from
-calling noise a spike). The action, by --guard.action: `skip` the optimizer update of that step (the LR schedule
-and the data position advance as they would), or `rollback` to the last complete checkpoint and skip the
-offending step's data window (the trainer does both). Every event is a metrics.jsonl row (guard/...) and one
-log line naming the step, the value and the action; past --guard.max_events the run stops with one line.
+over those steps, floor = 10% for the loss, 50% for the gradient norm: the value must clear the highest of the
+recent values, not their middle, by a margin measured in a robust spread (MAD: the median absolute deviation;
+1.4826 x MAD estimates a standard deviation, and a few spikes in the window do not inflate it as they would a
+standard deviation). Why each part:
+
+* The maximum, not the median, is the baseline: a curve that rises steadily (the gradient norm during the LR
+  warmup) puts each new value above the window's middle but hardly above its top, while a spike is above the
+  top by a multiple. A trend moves the baseline with it.
+* The floor on the scale: a smooth curve has a tiny MAD (on a short window it is 0 or one gap), and with a tiny
+  scale ordinary step-to-step movement reads as many standard deviations. How much a healthy curve moves in one
+  step differs by metric: the loss by percents, the gradient norm by multiples (2.4x in one step of the debug
+  recipe's warmup, as the loss leaves its plateau: docs/reliability.md). With the default threshold (6) an
+  event is a loss 60% of the median above the window's maximum, or a gradient norm at 4x a flat window's level;
+  a poisoned batch (1e4x) or a learning rate far too high (the norm grows tenfold and more) clears that.
+* `window` is at least MIN_WINDOW (4): a median and a MAD of fewer values are not a spread (of one value the
+  MAD is 0, of two it is half their gap); pre-flight refuses smaller windows with one line.
+
+The action, by --guard.action: `skip` the optimizer update of that step (the LR schedule and the data position
+advance as they would), or `rollback` to the last complete checkpoint and skip the offending step's data window
+(the trainer does both). Every event is a metrics.jsonl row (guard/...) and one log line naming the step, the
+value and the action; past --guard.max_events the run stops with one line. docs/reliability.md has the figures
+(scripts/guard_trace.py: clean runs give no event at any window, a 1e4x gradient is caught at every window).
 
 Every rank decides the same: the values are the global loss (summed over data-parallel ranks) and the global
 gradient norm, reduced once more with MAX over all ranks (a pipeline stage without the loss holds 0), with
@@ -29,7 +45,8 @@ from torchtitan.components.training_error import TrainingError
 from torchtitan.tools.logging import logger
 
 MAD_TO_SIGMA = 1.4826
-MIN_RELATIVE_SCALE = 0.01
+SCALE_FLOOR = {"loss": 0.1, "grad_norm": 0.5}  # the scale's floor, a fraction of |median| (module docstring)
+MIN_WINDOW = 4
 METRICS = ("loss", "grad_norm")
 
 
@@ -48,8 +65,9 @@ class GuardEvent:
 
 def check_guard_config(cfg: GuardConfig, checkpoint_enabled: bool) -> None:
     """One line for settings the guard cannot work with (called by the pre-flight check)."""
-    if cfg.window < 1:
-        raise ValueError(f"--guard.window must be at least 1, got {cfg.window}")
+    if cfg.window < MIN_WINDOW:
+        raise ValueError(f"--guard.window {cfg.window} is too small to judge a spike: the spread (MAD) of fewer than "
+                         f"{MIN_WINDOW} steps is not a spread; use --guard.window {MIN_WINDOW} or more (default 20)")
     if not (math.isfinite(cfg.threshold) and cfg.threshold > 0):
         raise ValueError(f"--guard.threshold must be a positive number (robust standard deviations), got {cfg.threshold}")
     if cfg.replica_check_interval < 0:
@@ -91,7 +109,7 @@ class StepGuard:
             return None
         median = statistics.median(h)
         mad = statistics.median(abs(x - median) for x in h)
-        return median + self.cfg.threshold * max(MAD_TO_SIGMA * mad, MIN_RELATIVE_SCALE * abs(median))
+        return max(h) + self.cfg.threshold * max(MAD_TO_SIGMA * mad, SCALE_FLOOR[metric] * abs(median))
 
     def record(self, event: GuardEvent, metrics) -> None:
         """The event's metrics.jsonl row and log line; raises TrainingError once past max_events."""

@@ -549,12 +549,14 @@ class Guard:
     """Judge every step; off, a non-finite gradient norm stops the run (as before) and spikes go unnoticed."""
 
     window: int = 20
-    """Accepted steps the running median and MAD are taken over; spikes are judged once it is full
-    (non-finite values always)."""
+    """Accepted steps the running maximum, median and MAD are taken over (at least 4); spikes are judged once it
+    is full (non-finite values always)."""
 
     threshold: float = 6.0
-    """A value is a spike when above median + threshold x scale, scale = max(1.4826 x MAD, 1% of |median|)
-    (1.4826 x MAD estimates a standard deviation without being moved by the spikes themselves)."""
+    """A value is a spike when above max + threshold x scale over the window, scale = max(1.4826 x MAD, floor x
+    |median|), floor 10% (loss) or 50% (gradient norm): it must clear the window's highest value, so a steady
+    rise (LR warmup) is no spike; 1.4826 x MAD estimates a standard deviation without being moved by the spikes
+    themselves."""
 
     action: Literal["skip", "rollback"] = "skip"
     """skip: no optimizer update for that step (the LR schedule and the data position advance as usual);

@@ -9,6 +9,14 @@ group: the ranks whose count is lower have not arrived. It logs one report namin
 (`#seq name` on its group) and those ranks, and raises an alarm in the store; on the alarm every rank dumps its
 Python stack (all threads, faulthandler) to `{dump_folder}/hang/rank-N.txt` and logs where it is.
 
+Compiled code: a wrapper that dynamo traces (MoE's expert-parallel all-to-all inside a compiled block) counts
+nothing. Traced, its bookkeeping would run once at trace time, never when the graph runs (and dynamo cannot
+enter its lock); dynamo turns the collective itself into a functional one in the graph. Collectives inside
+compiled graphs are thus uncounted on every rank alike, so the counts still agree; a rank stuck in one is
+judged by the last collective before the graph (FSDP's all-gather of the block, at the latest) and its stack
+dump names the frame. (Counting them as they run would take a side-effect op inside the graph; tried with
+torch 2.13, inductor then freed a buffer of the MoE inference graph before its last use.)
+
 Limits: "the collective it waits in" is the last one a rank issued (a rank blocked in a wait issues nothing
 more; with prefetching FSDP it may be one ahead: the stack dump shows the exact frame). On CUDA, the NCCL flight
 recorder (--comm.trace_buf_size) records the collectives as NCCL saw them and dumps them on a timeout.
@@ -23,6 +31,7 @@ import threading
 import time
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
@@ -76,6 +85,8 @@ def _wrap(module, name: str, kind: str) -> None:
 
     @functools.wraps(real)
     def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling():  # traced, not run: see "Compiled code" in the module docstring
+            return real(*args, **kwargs)
         group = kwargs.get("group")
         if group is None and group_index is not None and len(args) > group_index:
             group = args[group_index]

@@ -21,6 +21,8 @@ when absent), on the rank it names (every rank when absent):
                    of `step`: silent memory corruption, for the replica check (components/replica_check.py)
     skip_data      leave `step`'s data window out of the stream (the batches are read and dropped): the
                    guard's `rollback` without the guard (its reference run)
+    scale_lr       multiply the learning rate by `scale` at `step` and every step after it (a run resumed or
+                   rescheduled with a far too high LR: a real spike, for the guard)
 
 Without the variable nothing is installed and `point` returns at once: the trainer may call it every step.
 """
@@ -33,7 +35,7 @@ import time
 
 _FAULTS: list[dict] = []
 KINDS = ("kill_rank", "kill_in_write", "term_in_write", "disk_full", "sleep", "poison_grad", "drop_grad", "skip_data",
-         "flip_bit", "kill_in_removal")
+         "flip_bit", "kill_in_removal", "scale_lr")
 WRITE_KINDS = ("kill_in_write", "term_in_write", "disk_full")
 
 
@@ -54,11 +56,14 @@ def install(rank: int) -> None:
         _hook_checkpoint_writer()
 
 
-def point(step: int, model_parts=()) -> None:
+def point(step: int, model_parts=(), optimizers=None) -> None:
     """The mid-step fault point (the trainer calls it between the backward and the optimizer step)."""
     if not _FAULTS:
         return
     for f in list(_FAULTS):
+        if f["kind"] == "scale_lr" and step >= f["step"] and optimizers is not None:
+            for group in optimizers.param_groups:  # the scheduler sets the LR afresh every step
+                group["lr"] *= float(f["scale"])
         if f["kind"] == "kill_rank" and f["step"] == step:
             os.kill(os.getpid(), signal.SIGKILL)
         if f["kind"] == "sleep" and f.get("step", step) == step:
