@@ -121,7 +121,8 @@ def cp_comm_line(cfg, pd, shape, act_bytes: int) -> str | None:
 
     chosen = (p.context_parallel_method, p.context_parallel_a2a_degree)
     others = [o for o in cp_options(pd.cp, pd.tp, shape.n_heads, pd.cp * pd.tp) if o != chosen]
-    name = {"ring": "ring", "ulysses": "ulysses"}
-    label = (lambda m, a: name.get(m, f"hierarchical a2a {a}"))
+    def label(method: str, a2a: int) -> str:
+        return f"hierarchical a2a {a2a}" if method == "hierarchical" else method
+
     return (f"context parallel {label(*chosen)} (cp {pd.cp}): {mib(*chosen)} sent per rank per attention layer and "
             f"microbatch (forward + backward); " + ", ".join(f"{label(*o)} {mib(*o)}" for o in others))
