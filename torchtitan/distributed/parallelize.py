@@ -201,7 +201,9 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, seq_len: int, rotate_meth
         for name in kernels:
             owner_name = name.rpartition(".")[0]
             owner = block.get_submodule(owner_name) if owner_name else block
-            owner.inner_attention = ContextParallelAttention(cp_mesh.get_group(), rotate_method)
+            # The kernel's attention kind (a sliding window) carries over to ring attention.
+            window = getattr(owner.inner_attention, "window", None)
+            owner.inner_attention = ContextParallelAttention(cp_mesh.get_group(), rotate_method, window)
     # A plain attribute, not a buffer: `to_empty` would leave a buffer uninitialised, so it is created directly
     # on this rank's device (the model itself may still be on meta here).
     model.fixed_positions = load_balanced_indices(seq_len, cp_size, cp_rank).to(_rank_device(cp_mesh))
