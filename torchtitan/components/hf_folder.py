@@ -152,7 +152,7 @@ def load_hf_into(state_dict: dict[str, torch.Tensor], folder: str, adapter: Stat
     """Fills `state_dict` (our names; plain tensors or DTensors, e.g. get_model_state_dict of FSDP/TP model
     parts) in place from an HF folder, each rank reading only its boxes. Shapes are checked first, in one
     line naming the tensor."""
-    reader = SliceReader(folder)
+    reader = adapter.hf_reader(SliceReader(folder))
     plans = []
     for key, t in state_dict.items():
         layout = adapter.hf_layout(key, t.shape)
@@ -186,9 +186,10 @@ def load_hf_folder(folder: str, adapter_cls: type[StateDictAdapter], expected=No
 def read_hf_state_dict(folder: str, adapter_cls: type[StateDictAdapter], args) -> dict[str, torch.Tensor]:
     """Every tensor of an HF folder under our names (one process; for conversion to DCP). A tied model's
     folder stores no lm_head.weight: the adapter's from_hf fills our output from the embedding."""
-    reader = SliceReader(folder)
+    adapter = adapter_cls(args)
+    reader = adapter.hf_reader(SliceReader(folder))
     full = {k: reader.read(k, [0] * len(reader.shape(k)), reader.shape(k)) for k in reader.where}
-    return adapter_cls(args).from_hf(full)
+    return adapter.from_hf(full)
 
 
 # ---- writing -----------------------------------------------------------------------------------------------

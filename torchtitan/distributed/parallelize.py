@@ -19,7 +19,7 @@ stays one parameter: TP shards both alike (Shard(0) of the [vocab, dim] matrix) 
 re-ties them; apply_fsdp puts the two modules in one group.
 
 The block plan is data: module names inside a block -> a style name (COLWISE, ROWWISE, SEQUENCE_PARALLEL,
-HEAD_NORM, MOE) or a `GatherInputs` entry. An entry applies to every block that has the module, so one plan
+HEAD_NORM, HEAD_PARAMS, MOE) or a `GatherInputs` entry. An entry applies to every block that has the module, so one plan
 covers block kinds (dense and MoE blocks, MLA with or without a compressed query); a misspelt entry leaves
 weights replicated, which the dry run's per-rank bytes show (tests/unit/test_dry_run_shards_unchanged.py).
 `tp_grad_sums` names activation hooks whose
@@ -34,9 +34,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -64,6 +65,19 @@ HEAD_NORM = "head_norm"
 its replicated weight's gradient, a sum over every head, is summed over tp."""
 MOE = "moe"
 """An MoE layer: each tp rank routes its own sequence shard (distributed.expert_parallel.moe_tp_plan)."""
+HEAD_PARAMS = "head_params"
+"""A module whose parameters hold one entry per attention head on dim 0 (e.g. attention sinks): sharded over
+tp like the heads of the column-wise projections, so each rank holds its own heads' entries."""
+
+
+class _ShardHeadParams(ParallelStyle):
+    """HEAD_PARAMS: the module's own parameters become DTensors sharded on dim 0; the module reads its local
+    shard (models/common/attention.py's AttentionSinks), whose gradient stays on its rank."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(p, device_mesh, [Shard(0)])))
+        return module
 
 
 @dataclass(frozen=True)
@@ -148,6 +162,8 @@ def block_tp_plan(block: nn.Module, plan: ParallelPlan, *, float8: bool = False)
             out[name] = SequenceParallel()
         elif style == HEAD_NORM:
             out[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        elif style == HEAD_PARAMS:
+            out[name] = _ShardHeadParams()
         elif style == MOE:
             out.update(moe_tp_plan(block.get_submodule(name), name))
         else:

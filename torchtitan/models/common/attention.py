@@ -25,6 +25,7 @@ probabilities from the saved (out, lse), like context parallel's ring attention,
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchtitan.distributed.context_parallel import (
     _block_backward,
@@ -217,3 +218,20 @@ class ScaledDotProductAttention(nn.Module):
             mask = document_causal_mask(document_ids, document_ids, pos, pos).unsqueeze(1)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return _blockwise_document_attention(q, k, v, document_ids)
+
+
+class AttentionSinks(nn.Module):
+    """One learned sink logit per query head (`weight` [n_heads]), held by the attention module that calls the
+    kernel (a kernel may be swapped, e.g. for ring attention; the parameter stays). Tensor parallel shards it
+    with the heads (distributed/parallelize.py's HEAD_PARAMS); calling it gives this rank's heads' logits."""
+
+    def __init__(self, n_heads: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_heads))
+
+    def init_weights(self, std: float = 0.02) -> None:
+        nn.init.trunc_normal_(self.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self) -> torch.Tensor:
+        w = self.weight
+        return w.to_local() if isinstance(w, DTensor) else w
