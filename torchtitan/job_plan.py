@@ -20,10 +20,12 @@ from torchtitan.components.quantization import ModelConverters, build_model_conv
 from torchtitan.config import JobConfig
 from torchtitan.distributed.activation_checkpoint import check_ac_config
 from torchtitan.distributed.compile import check_compile_config, compiles
+from torchtitan.distributed.context_parallel import ContextParallelAttention
 from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims, parallel_dims_from_config
 from torchtitan.distributed.parallel_dims import device_type as parallel_dims_device_type
 from torchtitan.distributed.pipeline import PipelinePlan, plan_model_pipeline
 from torchtitan.job_checks import check_job_values
+from torchtitan.models.common.attention import check_attention_kernels
 from torchtitan.protocols.model_shape import resolve_model
 from torchtitan.protocols.train_spec import TrainSpec
 from torchtitan.tools.precision import Precision, resolve_precision
@@ -77,6 +79,9 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
     converters = build_model_converters(cfg, pd, torch.device(device_type))
     converters.convert(model)
     _check_model_inputs(cfg, model)
+    # The kernel each attention will run: context parallel swaps in ring attention.
+    check_attention_kernels(model, ContextParallelAttention if pd.cp_enabled else None,
+                            " (context parallel)" if pd.cp_enabled else "")
 
     pipeline_plan = None
     if pd.pp_enabled:

@@ -1,6 +1,7 @@
 """Ring attention honours the attention kinds: a sliding window shorter than a cp chunk (blocks wholly outside
 it skipped), sinks counted once per row, documents, GQA; forward and gradients (q, k, v, sinks) equal the
-explicit-softmax reference of tests/unit/test_attention_kinds.py within 1e-5 (fp32), both rotate methods.
+explicit-softmax reference of tests/unit/test_attention_kinds.py within 1e-5 (fp32), both rotate methods;
+with the sinks dropped the same comparison fails.
 """
 
 import pytest
@@ -40,6 +41,11 @@ def _compare(rank, world_size, rotate_method, window):
     for t, full in zip(local, (q, k, v)):
         torch.testing.assert_close(gather_sequence(t.grad, SEQ_DIM), full.grad, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dsinks, sinks.grad, atol=1e-5, rtol=1e-5)
+    # Negative control: the same comparison notices the sinks dropped.
+    with torch.no_grad():
+        dropped = ContextParallelAttention(dist.group.WORLD, rotate_method, window)(
+            *local, document_ids=shard_sequence(ids, 1, world_size, rank))
+    assert not torch.allclose(gather_sequence(dropped, SEQ_DIM), ref.detach(), atol=1e-3)
     return rank
 
 

@@ -197,3 +197,33 @@ def test_mxfp4_scales_not_matching_blocks_is_one_line(tmp_path):
     with pytest.raises(Mxfp4Error, match="scales .* do not match blocks") as e:
         load_hf_folder(str(tmp_path), GptOssStateDictAdapter)
     assert "\n" not in str(e.value) and "gate_up_proj" in str(e.value)
+
+
+# ---- bad input -------------------------------------------------------------------------------------------
+
+
+def _plan(*extra, world=1):
+    from torchtitan.job_plan import plan_job
+    from torchtitan.protocols.train_spec import config_manager
+
+    return plan_job(config_manager().parse_args(
+        ["--model.name", "gpt_oss", "--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", *extra]), world)
+
+
+def test_a_window_of_zero_is_one_line_before_anything_runs(tmp_path):
+    from torchtitan.errors import USER_ERRORS
+
+    with pytest.raises(USER_ERRORS) as e:
+        _plan("--model.overrides", "sliding_window=0", "--job.dump_folder", str(tmp_path / "run"))
+    assert "sliding window 0" in str(e.value) and ">= 1" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_sinks_on_a_kernel_that_cannot_take_them_is_one_line(monkeypatch):
+    from torchtitan.distributed.context_parallel import ContextParallelAttention
+
+    _plan("--parallelism.context_parallel_degree", "2", world=2)  # ring attention takes window and sinks
+    monkeypatch.setattr(ContextParallelAttention, "KINDS", frozenset({"window"}))  # a kernel without sinks
+    with pytest.raises(ValueError, match="ContextParallelAttention .context parallel. cannot compute sinks") as e:
+        _plan("--parallelism.context_parallel_degree", "2", world=2)
+    assert "\n" not in str(e.value)

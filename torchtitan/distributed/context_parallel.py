@@ -487,6 +487,8 @@ class ContextParallelAttention(nn.Module):
     """Drop-in `inner_attention(q, k, v)` for a model whose sequence is sharded with `shard_sequence`; `window`
     is the attention kind of the kernel it replaces (models/common/attention.py), sinks come with each call."""
 
+    KINDS = frozenset({"window", "sinks"})
+
     def __init__(
         self, cp_group: dist.ProcessGroup | None = None, rotate_method: RotateMethod = "alltoall",
         window: int | None = None,

@@ -94,7 +94,7 @@ def check_window(window: int | None) -> None:
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(
             f"sliding window {window!r}: a window counts the keys a query sees, itself included, so it must be "
-            f"an integer >= 1 (or none for full attention)"
+            f"an integer >= 1; set sliding_window to 1 or more (e.g. GPT-OSS's 128)"
         )
 
 
@@ -189,6 +189,9 @@ class ScaledDotProductAttention(nn.Module):
     The kv heads are repeated explicitly rather than via `enable_gqa`, which not every fused backend accepts.
     """
 
+    KINDS = frozenset({"window", "sinks"})
+    """The attention kinds this kernel computes (check_attention_kernels)."""
+
     def __init__(self, window: int | None = None):
         super().__init__()
         check_window(window)
@@ -235,3 +238,30 @@ class AttentionSinks(nn.Module):
     def forward(self) -> torch.Tensor:
         w = self.weight
         return w.to_local() if isinstance(w, DTensor) else w
+
+
+def kinds_needed(attention: nn.Module) -> set[str]:
+    """The attention kinds an attention module (one with an `inner_attention` kernel) asks of its kernel."""
+    needed = set()
+    if getattr(attention.inner_attention, "window", None) is not None:
+        needed.add("window")
+    if isinstance(getattr(attention, "sinks", None), AttentionSinks):
+        needed.add("sinks")
+    return needed
+
+
+def check_attention_kernels(model: nn.Module, kernel: type | None = None, why: str = "") -> None:
+    """Refuses, in one line, a model whose attention asks a kind (window, sinks) of a kernel that cannot compute
+    it. `kernel`: the kernel class the job's layout swaps in (e.g. context parallel's), else each module's own;
+    a kernel declares what it computes in `KINDS`."""
+    for name, module in model.named_modules():
+        if not isinstance(getattr(module, "inner_attention", None), nn.Module):
+            continue
+        cls = kernel or type(module.inner_attention)
+        missing = sorted(kinds_needed(module) - getattr(cls, "KINDS", frozenset()))
+        if missing:
+            raise ValueError(
+                f"{name}: the attention kernel {cls.__name__}{why} cannot compute {' / '.join(missing)}, which this "
+                f"model's attention needs; use a layout whose kernel takes them (the plain kernel and ring context "
+                f"parallel do) or a model without them"
+            )
