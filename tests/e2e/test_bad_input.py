@@ -45,6 +45,7 @@ PREFLIGHT_CASES = [  # (args, processes, message)
      "local dataset file {bad}/empty.jsonl is empty"),
     (["--job.dump_folder", "{bad}/a_file/run"], 2, "{bad}/a_file is a file, not a folder"),
     (["--training.steps", "-5"], 2, "--training.steps must be at least 1, got -5"),
+    (["--model.name", "gpt_oss", "--model.overrides", "sliding_window=0"], 1, "sliding window 0: a window counts"),
 ]
 
 

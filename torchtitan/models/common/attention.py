@@ -98,28 +98,34 @@ def check_window(window: int | None) -> None:
         )
 
 
-def _spans(
-    seq: int, block: int, window: int | None, document_ids: torch.Tensor | None, device
-) -> list[tuple[int, int, int, torch.Tensor | None]]:
-    """(q0, q1, k0, mask) per query block [q0, q1): its keys are [k0, q1), mask [B or 1, 1, 1, Sq, Sk] or None
-    when every pair is visible. Key spans shrink to the window and, in eager mode, to the block's earliest
-    document start (data-dependent, so a compiled graph keeps the window's span and masks)."""
-    starts = document_start_index(document_ids) if document_ids is not None else None
+def _spans(seq: int, block: int, window: int | None, document_ids: torch.Tensor | None) -> list[tuple[int, int, int]]:
+    """(q0, q1, k0) per query block [q0, q1): its keys are [k0, q1). Key spans shrink to the window and, in
+    eager mode, to the block's earliest document start (data-dependent, so a compiled graph keeps the window's
+    span and masks)."""
+    starts = None
+    if document_ids is not None and not torch.compiler.is_compiling():
+        starts = document_start_index(document_ids)
     out = []
     for q0 in range(0, seq, block):
         q1 = min(seq, q0 + block)
         k0 = 0 if window is None else max(0, q0 - window + 1)
-        if starts is not None and not torch.compiler.is_compiling():
+        if starts is not None:
             k0 = max(k0, int(starts[:, q0].min()))
-        mask = None
-        if window_block_state(q0, k0, q1 - q0, q1 - k0, window) != "full":
-            pos = torch.arange(seq, device=device)
-            mask = window_causal_mask(pos[q0:q1], pos[k0:q1], window)[None, None, None]
-        if document_ids is not None:
-            same = (document_ids[:, q0:q1].unsqueeze(-1) == document_ids[:, k0:q1].unsqueeze(-2))[:, None, None]
-            mask = same if mask is None else same & mask
-        out.append((q0, q1, k0, mask))
+        out.append((q0, q1, k0))
     return out
+
+
+def _span_mask(q0: int, q1: int, k0: int, window: int | None, document_ids: torch.Tensor | None, device):
+    """[B or 1, 1, 1, q1-q0, q1-k0] bool visibility of a span, or None when every pair is visible. Built when
+    needed (forward and again in backward), never kept: a full-attention layer's masks would add up to S^2."""
+    mask = None
+    if window_block_state(q0, k0, q1 - q0, q1 - k0, window) != "full":
+        mask = window_causal_mask(torch.arange(q0, q1, device=device), torch.arange(k0, q1, device=device),
+                                  window)[None, None, None]
+    if document_ids is not None:
+        same = (document_ids[:, q0:q1].unsqueeze(-1) == document_ids[:, k0:q1].unsqueeze(-2))[:, None, None]
+        mask = same if mask is None else same & mask
+    return mask
 
 
 class _BlockwiseAttention(torch.autograd.Function):
@@ -133,22 +139,23 @@ class _BlockwiseAttention(torch.autograd.Function):
         q5 = q.float().reshape(batch, hkv, hq // hkv, seq, dim)
         k5, v5 = k.float().unsqueeze(2), v.float().unsqueeze(2)
         scale = dim**-0.5
-        spans = _spans(seq, block, window, document_ids, q.device)
+        spans = _spans(seq, block, window, document_ids)
         out = torch.empty_like(q5)
         lse = torch.empty(q5.shape[:-1], dtype=torch.float32, device=q.device)
-        for q0, q1, k0, mask in spans:
+        for q0, q1, k0 in spans:
+            mask = _span_mask(q0, q1, k0, window, document_ids, q.device)
             o, l = _block_forward(q5[..., q0:q1, :], k5[..., k0:q1, :], v5[..., k0:q1, :], scale, mask)
             out[..., q0:q1, :], lse[..., q0:q1] = o, l
         if sinks is not None:
             lse = fold_sinks_(out, lse, sinks)
         out_q = out.reshape(batch, hq, seq, dim).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out_q, lse, sinks)
-        ctx.spans = spans
+        ctx.save_for_backward(q, k, v, out_q, lse, sinks, document_ids)
+        ctx.spans, ctx.window = spans, window
         return out_q
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, out, lse, sinks = ctx.saved_tensors
+        q, k, v, out, lse, sinks, document_ids = ctx.saved_tensors
         batch, hq, seq, dim = q.shape
         hkv = k.shape[1]
         shape5 = (batch, hkv, hq // hkv, seq, dim)
@@ -157,7 +164,8 @@ class _BlockwiseAttention(torch.autograd.Function):
         delta = (do5 * out.float().reshape(shape5)).sum(dim=-1)
         dq5, dk5, dv5 = torch.zeros_like(q5), torch.zeros_like(k5), torch.zeros_like(v5)
         scale = dim**-0.5
-        for q0, q1, k0, mask in ctx.spans:
+        for q0, q1, k0 in ctx.spans:
+            mask = _span_mask(q0, q1, k0, ctx.window, document_ids, q.device)
             dq, dk, dv = _block_backward(q5[..., q0:q1, :], k5[..., k0:q1, :], v5[..., k0:q1, :],
                                          do5[..., q0:q1, :], lse[..., q0:q1], delta[..., q0:q1], scale, mask)
             dq5[..., q0:q1, :] += dq
