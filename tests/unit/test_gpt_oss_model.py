@@ -176,7 +176,12 @@ def test_mxfp4_reads_only_the_requested_experts(tmp_path):
     inner = SliceReader(str(tmp_path))
     calls = []
     real = inner.read
-    inner.read = lambda key, offsets, sizes: calls.append((key, list(offsets), list(sizes))) or real(key, offsets, sizes)
+
+    def spy(key, offsets, sizes):
+        calls.append((key, list(offsets), list(sizes)))
+        return real(key, offsets, sizes)
+
+    inner.read = spy
     reader = Mxfp4Reader(inner)
     key = "model.layers.1.mlp.experts.down_proj"
     shape = reader.shape(key)

@@ -19,8 +19,8 @@ stays one parameter: TP shards both alike (Shard(0) of the [vocab, dim] matrix) 
 re-ties them; apply_fsdp puts the two modules in one group.
 
 The block plan is data: module names inside a block -> a style name (COLWISE, ROWWISE, SEQUENCE_PARALLEL,
-HEAD_NORM, HEAD_PARAMS, MOE) or a `GatherInputs` entry. An entry applies to every block that has the module, so one plan
-covers block kinds (dense and MoE blocks, MLA with or without a compressed query); a misspelt entry leaves
+HEAD_NORM, HEAD_PARAMS, MOE) or a `GatherInputs` entry. An entry applies to every block that has the module, so
+one plan covers block kinds (dense and MoE blocks, MLA with or without a compressed query); a misspelt entry leaves
 weights replicated, which the dry run's per-rank bytes show (tests/unit/test_dry_run_shards_unchanged.py).
 `tp_grad_sums` names activation hooks whose
 gradient must be summed over tp, e.g. MLA's rope key shared by every local head. `extra` is the escape hatch
