@@ -47,10 +47,23 @@ def _reference(layout, references):
     return references["documents" if "documents" in layout else "plain"]
 
 
+def _local_shapes(trainer) -> dict:
+    """This rank's shard shapes of the sinks and of the experts' biases (layer 0)."""
+    from torch.distributed.tensor import DTensor
+
+    block = trainer.model_parts[0].layers["0"]
+    tensors = {"sinks": block.attention.sinks.weight, "gate_up_bias": block.moe.experts.gate_up_bias,
+               "down_bias": block.moe.experts.down_bias}
+    return {k: tuple((t.to_local() if isinstance(t, DTensor) else t).shape) for k, t in tensors.items()}
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_process(layout, references, tmp_path):
-    steps, _ = train(2, GPT_OSS + LAYOUTS[layout], str(tmp_path))
+    steps, shapes = train(2, GPT_OSS + LAYOUTS[layout], str(tmp_path), probe=_local_shapes)
     assert_parity(curves(steps), _reference(layout, references))
+    if layout == "tp2_ep2":
+        # 4 heads, 8 experts of hidden 32, dim 64: each rank holds 2 heads' sinks and 4 experts' biases.
+        assert shapes == [{"sinks": (2,), "gate_up_bias": (4, 64), "down_bias": (4, 64)}] * 2
 
 
 def _ring_ignores_the_window(rank, world_size):
