@@ -4,7 +4,8 @@
 and the trainer both call it, so both give the same one-line answer, before any process group exists: the
 model and flavor, the tokenizer, the layout against the world size, the shapes each parallel degree splits
 (declared by the model args' `divisible_by`), the batch and sequence divisibility, compile, activation
-checkpointing, the optimizer settings (Muon), the model converters (Float8) and the pipeline plan.
+checkpointing, the optimizer settings (Muon), the model converters (Float8), whether the attention kernels the
+layout runs compute the kinds the model asks (sliding windows, sinks) and the pipeline plan.
 """
 
 import dataclasses
