@@ -48,10 +48,10 @@ def _reference(layout, references):
 
 
 def _local_shapes(trainer) -> dict:
-    """This rank's shard shapes of the sinks and of the experts' biases (layer 0)."""
+    """This rank's shard shapes of the sinks and of the experts' biases (its first block)."""
     from torch.distributed.tensor import DTensor
 
-    block = trainer.model_parts[0].layers["0"]
+    block = next(iter(trainer.model_parts[0].layers.values()))
     tensors = {"sinks": block.attention.sinks.weight, "gate_up_bias": block.moe.experts.gate_up_bias,
                "down_bias": block.moe.experts.down_bias}
     return {k: tuple((t.to_local() if isinstance(t, DTensor) else t).shape) for k, t in tensors.items()}
