@@ -5,7 +5,8 @@ and the trainer both call it, so both give the same one-line answer, before any 
 model and flavor, the tokenizer, the layout against the world size, the shapes each parallel degree splits
 (declared by the model args' `divisible_by`), a Hugging Face folder to start from (its config against the model,
 its weights' shapes against its config), the batch and sequence divisibility, compile, activation
-checkpointing, the optimizer settings (Muon), the model converters (Float8) and the pipeline plan.
+checkpointing, the optimizer settings (Muon), the model converters (Float8), whether the attention kernels the
+layout runs compute the kinds the model asks (sliding windows, sinks) and the pipeline plan.
 """
 
 import dataclasses
@@ -21,11 +22,13 @@ from torchtitan.components.quantization import ModelConverters, build_model_conv
 from torchtitan.config import JobConfig
 from torchtitan.distributed.activation_checkpoint import check_ac_config, check_block_choices
 from torchtitan.distributed.compile import check_compile_config, compiles
+from torchtitan.distributed.context_parallel import ContextParallelAttention
 from torchtitan.distributed.context_parallel_a2a import check_cp_method
 from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims, parallel_dims_from_config
 from torchtitan.distributed.parallel_dims import device_type as parallel_dims_device_type
 from torchtitan.distributed.pipeline import PipelinePlan, plan_model_pipeline
 from torchtitan.job_checks import check_job_values
+from torchtitan.models.common.attention import check_attention_kernels
 from torchtitan.protocols.model_shape import resolve_model
 from torchtitan.protocols.train_spec import TrainSpec
 from torchtitan.tools.precision import Precision, resolve_precision
@@ -81,6 +84,11 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
     converters.convert(model)
     _check_model_inputs(cfg, model)
     check_block_choices(cfg.memory, cfg.activation_checkpoint, len(model.layers))
+    # The kernel each attention will run: ring and hierarchical context parallel swap in ring attention;
+    # Ulysses runs the model's own kernel over whole sequences.
+    ring_cp = pd.cp_enabled and cfg.parallelism.context_parallel_method != "ulysses"
+    check_attention_kernels(model, ContextParallelAttention if ring_cp else None,
+                            " (context parallel)" if ring_cp else "")
 
     pipeline_plan = None
     if pd.pp_enabled:

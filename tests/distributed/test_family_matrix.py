@@ -28,7 +28,7 @@ from torchtitan.protocols.train_spec import _registered, config_manager
 pytestmark = pytest.mark.distributed
 
 FAMILIES = sorted(name for name, spec in _registered().items() if "debugmodel_tiny" in spec.flavors)
-MOE = {"qwen3_moe", "deepseek_v3"}
+MOE = {"qwen3_moe", "deepseek_v3", "gpt_oss"}
 
 BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.steps", "2",
         "--training.global_batch_size", "4", "--training.local_batch_size", "4", "--metrics.log_freq", "1", "--debug.seed", "3",

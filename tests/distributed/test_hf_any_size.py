@@ -1,7 +1,8 @@
 """Any Hugging Face checkpoint in, a Hub-ready one out, under FSDP 2 x TP 2 (4 gloo ranks), for every family.
 
 For each family, on a shape no flavor has (Llama with tied embeddings and head_dim 64; Qwen3 with head_dim
-!= dim/heads; Qwen3-MoE; DeepSeek-V3 with and without q_lora_rank): a random transformers model is saved with
+!= dim/heads; Qwen3-MoE; DeepSeek-V3 with and without q_lora_rank; GPT-OSS with a window of 5, sinks and
+biases, sharded by TP and EP): a random transformers model is saved with
 save_pretrained; the trainer (MoE families: also EP 2) takes its shape from the folder (--model.hf_config) and its weights from it
 (--checkpoint.initial_load_in_hf, each rank reading only its slices), trains 2 steps, and writes an HF folder
 from the shards (--checkpoint.last_save hf_only). Checked, in float32:
@@ -57,6 +58,13 @@ CASES = {
         n_group=2, topk_group=1, routed_scaling_factor=2.0, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
         qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=64, rope_parameters=ROPE), EP),
 }
+CASES["gpt_oss"] = ("gpt_oss", "GptOssConfig", dict(  # both layer kinds, a window shorter than seq_len, YaRN
+    hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=5, swiglu_limit=0.6,
+    layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "truncate": False, "original_max_position_embeddings": 16}),
+    EP + ["--moe.load_balance_coeff", "0"])  # HF's GPT-OSS router has no balancing bias
 CASES["deepseek_direct_q"] = (*CASES["deepseek_q_lora"][:2], {**CASES["deepseek_q_lora"][2], "q_lora_rank": None}, EP)
 
 

@@ -76,6 +76,7 @@ PREFLIGHT_CASES = [  # (args, processes, message)
     (["--model.hf_config", "{bad}/mismatch", "--checkpoint.enable", "--checkpoint.initial_load_path", "{bad}/mismatch",
       "--checkpoint.initial_load_in_hf"], 2,
      "{bad}/mismatch: model.embed_tokens.weight is [2048, 64] in its safetensors, [2085, 64] by its config.json"),
+    (["--model.name", "gpt_oss", "--model.overrides", "sliding_window=0"], 1, "sliding window 0: a window counts"),
 ]
 
 

@@ -12,7 +12,7 @@ from torchtitan.protocols.train_spec import get_flavor, get_train_spec
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "train_configs").glob("*.toml"))
 # The smallest world each recipe's layout is meant for.
 WORLD = {"llama3_8b": 8, "llama3_70b": 64, "llama3_405b": 128, "deepseek_v3_16b": 8, "deepseek_v3_671b": 2048,
-         "qwen3_moe_30b_a3b": 8, "qwen3_moe_235b_a22b": 64, "debug_moe": 2}
+         "qwen3_moe_30b_a3b": 8, "qwen3_moe_235b_a22b": 64, "debug_moe": 2, "gpt_oss_debug": 2, "gpt_oss_20b": 8}
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)

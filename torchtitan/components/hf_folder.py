@@ -108,27 +108,39 @@ def weight_shapes(folder: str) -> dict[str, list[int]]:
 def check_weight_shapes(folder: str, adapter: StateDictAdapter, shapes: dict[str, torch.Size],
                         have: dict[str, list[int]] | None = None) -> None:
     """Every HF tensor that the model of `shapes` (our names -> global shapes) reads from `folder` is there
-    with the shape the model needs, judged from the headers (`have`: weight_shapes(folder), when read already).
-    Called once the folder's config.json matched the model (check_hf_config), so a difference here is a folder
-    whose weights and config.json disagree: one line naming the tensor, both shapes and the fix."""
-    have = weight_shapes(folder) if have is None else have
+    with the shape the model needs, judged from the headers (`have`: weight_shapes(folder), when read already)
+    as the adapter's reader presents them (`hf_reader`: e.g. GPT-OSS's MXFP4 block/scale pairs read as one
+    tensor). Called once the folder's config.json matched the model (check_hf_config), so a difference here is
+    a folder whose weights and config.json disagree: one line naming the tensor, both shapes and the fix."""
+    reader = adapter.hf_reader(_HeaderShapes(folder, weight_shapes(folder) if have is None else have))
     for key, shape in shapes.items():
         layout = adapter.hf_layout(key, shape)
         if layout is None:
             continue
         want = hf_shape(layout, shape)
         for hf_key in layout.hf_keys:
-            if hf_key not in have:
+            if hf_key not in reader.where:
                 raise HFFolderError(
                     f"{folder} lacks the weight {hf_key} that its config.json implies: a checkpoint of another "
                     f"model or an incomplete folder; point --checkpoint.initial_load_path at the folder it belongs to"
                 )
-            if have[hf_key] != want:
+            if (got := list(reader.shape(hf_key))) != want:
                 raise HFFolderError(
-                    f"{folder}: {hf_key} is {have[hf_key]} in its safetensors, {want} by its config.json (the "
+                    f"{folder}: {hf_key} is {got} in its safetensors, {want} by its config.json (the "
                     f"weights and config.json disagree); fix config.json, or point --checkpoint.initial_load_path "
                     f"at the folder these weights came from"
                 )
+
+
+class _HeaderShapes:
+    """The `where` / `shape` of a SliceReader from shapes read off the headers (nothing opened again)."""
+
+    def __init__(self, folder: str, shapes: dict[str, list[int]]):
+        self.folder, self._shapes = folder, shapes
+        self.where = dict.fromkeys(shapes, "")
+
+    def shape(self, key: str) -> list[int]:
+        return self._shapes[key]
 
 
 class SliceReader:
@@ -194,7 +206,7 @@ def load_hf_into(state_dict: dict[str, torch.Tensor], folder: str, adapter: Stat
     """Fills `state_dict` (our names; plain tensors or DTensors, e.g. get_model_state_dict of FSDP/TP model
     parts) in place from an HF folder, each rank reading only its boxes. Shapes are checked first, in one
     line naming the tensor."""
-    reader = SliceReader(folder)
+    reader = adapter.hf_reader(SliceReader(folder))
     check_weight_shapes(folder, adapter, {k: t.shape for k, t in state_dict.items()})
     plans = [(key, t, layout) for key, t in state_dict.items() if (layout := adapter.hf_layout(key, t.shape))]
     with torch.no_grad():
@@ -216,9 +228,10 @@ def load_hf_folder(folder: str, adapter_cls: type[StateDictAdapter], expected=No
 def read_hf_state_dict(folder: str, adapter_cls: type[StateDictAdapter], args) -> dict[str, torch.Tensor]:
     """Every tensor of an HF folder under our names (one process; for conversion to DCP). A tied model's
     folder stores no lm_head.weight: the adapter's from_hf fills our output from the embedding."""
-    reader = SliceReader(folder)
+    adapter = adapter_cls(args)
+    reader = adapter.hf_reader(SliceReader(folder))
     full = {k: reader.read(k, [0] * len(reader.shape(k)), reader.shape(k)) for k in reader.where}
-    return adapter_cls(args).from_hf(full)
+    return adapter.from_hf(full)
 
 
 # ---- writing -----------------------------------------------------------------------------------------------

@@ -22,6 +22,12 @@ k/v again while the k/v gradients travel with them and arrive home after one las
 
 Grouped-query attention is handled by viewing q as [B, Hkv, group, S, D] and broadcasting k/v over the group
 dimension, so repeated k/v are never materialised nor sent.
+
+Attention kinds (models/common/attention.py). A sliding window of W keys (key j visible to query i iff
+0 <= i - j < W) skips every block whose nearest pair is W or more apart and masks the blocks it cuts. Sinks
+(a learned logit per head in the softmax denominator, GPT-OSS) are counted once, after every key block is
+merged: lse' = logaddexp(lse, sink) and out *= exp(lse - lse'); backward then recomputes the probabilities
+from lse', and the sink's gradient is -sum_i exp(sink - lse'_i) * delta_i over this rank's queries.
 """
 
 from collections.abc import Callable
@@ -184,6 +190,44 @@ def _block_backward(
     return dq, dk, dv
 
 
+def window_block_state(q_first: int, k_first: int, q_len: int, k_len: int, window: int | None) -> str:
+    """Where a (query span, key span) block of global positions stands against causality and a window:
+    "empty" (no visible pair), "full" (every pair visible: no mask needed) or "partial"."""
+    nearest = q_first - (k_first + k_len - 1)  # the smallest i - j of the block
+    farthest = q_first + q_len - 1 - k_first  # the largest
+    if farthest < 0 or (window is not None and nearest >= window):
+        return "empty"
+    if nearest >= 0 and (window is None or farthest < window):
+        return "full"
+    return "partial"
+
+
+def window_causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[Sq, Sk] bool: key position visible to query position (not later, and within the window)."""
+    distance = q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)
+    visible = distance >= 0
+    return visible if window is None else visible & (distance < window)
+
+
+def fold_sinks_(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Count a sink logit per query head in the softmax denominator of a finished attention, in place.
+
+    out [B, Hkv, G, S, D] and lse [B, Hkv, G, S] (fp32, 5-D GQA layout), sinks [Hkv * G]. Returns the new
+    lse, logaddexp(lse, sink): the output shrinks by exp(lse - lse') = sigmoid(lse - sink)."""
+    sink = sinks.float().view(1, lse.shape[1], lse.shape[2], 1)
+    total = torch.logaddexp(lse, sink)
+    out.mul_(torch.exp(lse - total).unsqueeze(-1))
+    return total
+
+
+def sink_grad(lse: torch.Tensor, delta: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Gradient of the sinks [Hkv * G] given the FINAL lse (sink included) and delta = rowsum(dout * out),
+    both [B, Hkv, G, S]: the sink's probability is p_i = exp(sink - lse_i) and its value vector is zero, so
+    d sink = sum_i p_i * (0 - delta_i)."""
+    sink = sinks.float().view(1, lse.shape[1], lse.shape[2], 1)
+    return -(torch.exp(sink - lse) * delta).sum(dim=(0, 3)).flatten().to(sinks.dtype)
+
+
 def _visible_blocks(cp_size: int, q_rank: int, kv_rank: int) -> list[tuple[int, int, bool]]:
     """(local q chunk, local kv chunk, is_diagonal) for every block that is not fully masked."""
     blocks = []
@@ -267,15 +311,29 @@ def _chunk(t: torch.Tensor, index: int, chunk_len: int, dim: int = 3) -> torch.T
 
 
 def _blocks(
-    cp_size: int, q_rank: int, kv_rank: int, ids: torch.Tensor | None, chunk_len: int, device
+    cp_size: int, q_rank: int, kv_rank: int, ids: torch.Tensor | None, chunk_len: int, device,
+    window: int | None = None,
 ) -> list[tuple[int, int, torch.Tensor | None]]:
     """(local q chunk, local kv chunk, mask) of every block with a visible pair: causally masked blocks are
-    skipped, and so are blocks where no query shares a document with any key. ids: [cp, B, S/cp] or None."""
+    skipped, and so are blocks wholly outside the window and blocks where no query shares a document with
+    any key. ids: [cp, B, S/cp] or None."""
     out = []
+    q_chunks, kv_chunks = _chunk_ids(cp_size, q_rank), _chunk_ids(cp_size, kv_rank)
     for qi, ki, diagonal in _visible_blocks(cp_size, q_rank, kv_rank):
+        q_first, k_first = q_chunks[qi] * chunk_len, kv_chunks[ki] * chunk_len
+        state = window_block_state(q_first, k_first, chunk_len, chunk_len, window)
+        if state == "empty":
+            continue
         q_ids = _chunk(ids[q_rank], qi, chunk_len, dim=1) if ids is not None else None
         k_ids = _chunk(ids[kv_rank], ki, chunk_len, dim=1) if ids is not None else None
         mask = _block_mask(q_ids, k_ids, diagonal, (chunk_len, chunk_len), device)
+        if state == "partial" and not diagonal:  # the diagonal's causal mask is in _block_mask already
+            pos = torch.arange(chunk_len, device=device)
+            cut = window_causal_mask(q_first + pos, k_first + pos, window)
+            mask = cut if mask is None else mask & cut
+        elif state == "partial" and window is not None:
+            pos = torch.arange(chunk_len, device=device)
+            mask = mask & window_causal_mask(pos, pos, window)
         if mask is None or bool(mask.any()):
             out.append((qi, ki, mask))
     return out
@@ -291,6 +349,8 @@ class _RingAttention(torch.autograd.Function):
         group: dist.ProcessGroup | None,
         rotate_method: RotateMethod,
         document_ids: torch.Tensor | None,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         ring = _Ring(group)
         # Every rank's document ids (small ints) once, so each block knows both sides' documents.
@@ -308,7 +368,7 @@ class _RingAttention(torch.autograd.Function):
 
         def accumulate(kv_rank: int, kv_shard: torch.Tensor) -> None:
             k5, v5 = _split_kv(kv_shard)
-            for qi, ki, mask in _blocks(ring.size, ring.rank, kv_rank, ids, chunk_len, q.device):
+            for qi, ki, mask in _blocks(ring.size, ring.rank, kv_rank, ids, chunk_len, q.device, window):
                 block_out, block_lse = _block_forward(
                     _chunk(q5, qi, chunk_len), _chunk(k5, ki, chunk_len), _chunk(v5, ki, chunk_len), scale, mask
                 )
@@ -328,14 +388,16 @@ class _RingAttention(torch.autograd.Function):
                 if wait is not None:
                     current = wait()
 
+        if sinks is not None:  # once, after every key block: the sink is one more logit per row
+            lse = fold_sinks_(out, lse, sinks)
         out_q = out.reshape(batch, hq, seq, dim).to(q.dtype)
-        ctx.save_for_backward(q, kv_saved, out_q, lse)
-        ctx.group, ctx.rotate_method, ctx.hkv, ctx.ids = group, rotate_method, hkv, ids
+        ctx.save_for_backward(q, kv_saved, out_q, lse, sinks)
+        ctx.group, ctx.rotate_method, ctx.hkv, ctx.ids, ctx.window = group, rotate_method, hkv, ids, window
         return out_q
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):  # type: ignore[override]
-        q, kv_saved, out, lse = ctx.saved_tensors
+        q, kv_saved, out, lse, sinks = ctx.saved_tensors
         ring = _Ring(ctx.group)
         batch, hq, seq, dim = q.shape
         hkv = ctx.hkv
@@ -350,7 +412,7 @@ class _RingAttention(torch.autograd.Function):
         def accumulate(kv_rank: int, kv_shard: torch.Tensor, dkv: torch.Tensor) -> None:
             """Add this rank's contribution to dq and to the visiting shard's packed (dk, dv)."""
             k5, v5 = _split_kv(kv_shard)
-            for qi, ki, mask in _blocks(ring.size, ring.rank, kv_rank, ctx.ids, chunk_len, q.device):
+            for qi, ki, mask in _blocks(ring.size, ring.rank, kv_rank, ctx.ids, chunk_len, q.device, ctx.window):
                 dq, dk, dv = _block_backward(
                     _chunk(q5, qi, chunk_len),
                     _chunk(k5, ki, chunk_len),
@@ -388,7 +450,10 @@ class _RingAttention(torch.autograd.Function):
             dkv = wait_dkv()
 
         dq = dq5.reshape(batch, hq, seq, dim).to(q.dtype)
-        return dq, dkv[0].to(kv_saved.dtype), dkv[1].to(kv_saved.dtype), None, None, None
+        # This rank's queries' share of the sink gradient; the parameter's gradient is summed over the cp
+        # ranks like every other replicated parameter's.
+        dsinks = sink_grad(lse, delta, sinks) if sinks is not None else None
+        return dq, dkv[0].to(kv_saved.dtype), dkv[1].to(kv_saved.dtype), None, None, None, None, dsinks
 
 
 def ring_attention(
@@ -398,11 +463,14 @@ def ring_attention(
     cp_group: dist.ProcessGroup | None = None,
     rotate_method: RotateMethod = "alltoall",
     document_ids: torch.Tensor | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of load-balanced local shards q [B, Hq, S/cp, D], k/v [B, Hkv, S/cp, D].
 
     Returns this rank's shard of the output, equal to full causal SDPA over the unsharded sequence; with
-    `document_ids` (this rank's shard [B, S/cp], sharded like q) block-causal within documents.
+    `document_ids` (this rank's shard [B, S/cp], sharded like q) block-causal within documents; with `window`
+    each query sees its last `window` positions only; `sinks` [Hq] adds a logit per head to the denominator.
     """
     if rotate_method not in _ROTATE_METHODS:
         raise ValueError(f"rotate_method must be one of {_ROTATE_METHODS}, got {rotate_method!r}")
@@ -412,28 +480,37 @@ def ring_attention(
         raise ValueError(f"Hkv={k.shape[1]} must divide Hq={q.shape[1]}")
     if q.shape[2] != k.shape[2] or q.shape[2] % 2 != 0:
         raise ValueError(f"local q/k lengths must be equal and even (two chunks), got {q.shape[2]}, {k.shape[2]}")
-    return _RingAttention.apply(q, k, v, cp_group, rotate_method, document_ids)
+    return _RingAttention.apply(q, k, v, cp_group, rotate_method, document_ids, window, sinks)
 
 
 class ContextParallelAttention(nn.Module):
-    """Drop-in `inner_attention(q, k, v)` for a model whose sequence is sharded with `shard_sequence`."""
+    """Drop-in `inner_attention(q, k, v)` for a model whose sequence is sharded with `shard_sequence`; `window`
+    is the attention kind of the kernel it replaces (models/common/attention.py), sinks come with each call."""
 
-    def __init__(self, cp_group: dist.ProcessGroup | None = None, rotate_method: RotateMethod = "alltoall"):
+    KINDS = frozenset({"window", "sinks"})
+
+    def __init__(
+        self, cp_group: dist.ProcessGroup | None = None, rotate_method: RotateMethod = "alltoall",
+        window: int | None = None,
+    ):
         super().__init__()
         if rotate_method not in _ROTATE_METHODS:
             raise ValueError(f"rotate_method must be one of {_ROTATE_METHODS}, got {rotate_method!r}")
         self.cp_group = cp_group
         self.rotate_method: RotateMethod = rotate_method
+        self.window = window
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # The ring passes k and v as one stacked tensor: a narrower v (MLA's value heads) is zero-padded to
         # k's head dim, which adds zero columns to the output, then sliced off.
         v_dim = v.shape[-1]
         if v_dim < k.shape[-1]:
             v = torch.nn.functional.pad(v, (0, k.shape[-1] - v_dim))
-        return ring_attention(q, k, v, self.cp_group, self.rotate_method, document_ids)[..., :v_dim]
+        out = ring_attention(q, k, v, self.cp_group, self.rotate_method, document_ids, self.window, sinks)
+        return out[..., :v_dim]
 
     def extra_repr(self) -> str:
-        return f"rotate_method={self.rotate_method!r}"
+        return f"rotate_method={self.rotate_method!r}" + (f", window={self.window}" if self.window else "")

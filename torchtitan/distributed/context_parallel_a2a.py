@@ -174,7 +174,9 @@ class AllToAllAttention(nn.Module):
         self.ring_group = ring_group
         # Ulysses keeps the model's kernel (a child, so its parameters stay where they were); hierarchical CP
         # attends across the groups with the ring.
-        self.kernel = kernel if ring_group is None else ContextParallelAttention(ring_group, rotate_method)
+        # The kernel's sliding window (an attention kind, models/common/attention.py) carries over to the ring.
+        self.kernel = kernel if ring_group is None else ContextParallelAttention(
+            ring_group, rotate_method, getattr(kernel, "window", None))
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None,
@@ -208,7 +210,8 @@ def cp_attention_factory(
 ) -> Callable[[nn.Module], nn.Module]:
     """A function from a block's attention kernel to its context-parallel replacement for `method`."""
     if method == "ring":
-        return lambda kernel: ContextParallelAttention(cp_mesh.get_group(), rotate_method)
+        # The kernel's sliding window (an attention kind) carries over to ring attention.
+        return lambda kernel: ContextParallelAttention(cp_mesh.get_group(), rotate_method, getattr(kernel, "window", None))
     if method == "ulysses":
         return lambda kernel: AllToAllAttention(kernel, cp_mesh.get_group())
     cp = cp_mesh.size()

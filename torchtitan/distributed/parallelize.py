@@ -21,8 +21,8 @@ stays one parameter: TP shards both alike (Shard(0) of the [vocab, dim] matrix) 
 re-ties them; apply_fsdp puts the two modules in one group.
 
 The block plan is data: module names inside a block -> a style name (COLWISE, ROWWISE, SEQUENCE_PARALLEL,
-HEAD_NORM, HEAD_PARAMS, MOE) or a `GatherInputs` entry. An entry applies to every block that has the module, so one plan
-covers block kinds (dense and MoE blocks, MLA with or without a compressed query); a misspelt entry leaves
+HEAD_NORM, HEAD_PARAMS, MOE) or a `GatherInputs` entry. An entry applies to every block that has the module, so
+one plan covers block kinds (dense and MoE blocks, MLA with or without a compressed query); a misspelt entry leaves
 weights replicated, which the dry run's per-rank bytes show (tests/unit/test_dry_run_shards_unchanged.py).
 `tp_grad_sums` names activation hooks whose
 gradient must be summed over tp, e.g. MLA's rope key shared by every local head. `extra` is the escape hatch
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -70,18 +70,19 @@ its replicated weight's gradient, a sum over every head, is summed over tp."""
 MOE = "moe"
 """An MoE layer: each tp rank routes its own sequence shard (distributed.expert_parallel.moe_tp_plan)."""
 HEAD_PARAMS = "head_params"
-"""A module of per-head parameters whose dim 0 runs over heads or head channels (Gated DeltaNet's conv and
-decay): each is split Shard(0) over tp like the column-wise projections feeding it, and the module computes
-with its local shard (so its gradient is this rank's shard: nothing to reduce)."""
+"""A module whose parameters hold one entry per attention head (or head channel) on dim 0 (attention sinks,
+Gated DeltaNet's conv and decay): sharded over tp like the heads of the column-wise projections feeding it, so
+each rank holds and computes with its own heads' entries (their gradient stays on its rank: nothing to reduce)."""
 
 
-class _ShardParamsOnDim0(ParallelStyle):
+class _ShardHeadParams(ParallelStyle):
+    """HEAD_PARAMS: the module's own parameters become DTensors sharded on dim 0; the module reads its local
+    shard (models/common/attention.py's AttentionSinks), whose gradient stays on its rank."""
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def partition(name, mod, mesh):
-            for pname, p in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])))
-
-        return distribute_module(module, device_mesh, partition)
+        for name, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(p, device_mesh, [Shard(0)])))
+        return module
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ def block_tp_plan(block: nn.Module, plan: ParallelPlan, *, float8: bool = False)
         elif style == HEAD_NORM:
             out[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
         elif style == HEAD_PARAMS:
-            out[name] = _ShardParamsOnDim0()
+            out[name] = _ShardHeadParams()
         elif style == MOE:
             out.update(moe_tp_plan(block.get_submodule(name), name))
         else:

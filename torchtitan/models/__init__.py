@@ -5,3 +5,4 @@ from torchtitan.models import deepseek_v3  # noqa: F401
 from torchtitan.models import qwen3  # noqa: F401
 from torchtitan.models import qwen3_moe  # noqa: F401
 from torchtitan.models import qwen3_5  # noqa: F401
+from torchtitan.models import gpt_oss  # noqa: F401

@@ -57,6 +57,12 @@ class StateDictAdapter(ABC):
             return HFLayout(list(hf), stacked=True)
         raise NotImplementedError(f"{type(self).__name__}: no slice layout for {key!r}")
 
+    def hf_reader(self, reader: Any) -> Any:
+        """The reader (components/hf_folder.SliceReader: `where`, `shape`, `read` of boxes) the load paths use
+        for a folder. An adapter whose published checkpoints store some tensors in another form (GPT-OSS's
+        MXFP4 experts) wraps it, so that those read as the plain tensors `from_hf` names, box by box."""
+        return reader
+
     @abstractmethod
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Our FQNs -> HF names; works on any subset (e.g. one pipeline stage's state dict)."""

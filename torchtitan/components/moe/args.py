@@ -41,8 +41,19 @@ class MoEArgs:
     shared_gate: bool = False
     """Scale the shared experts' output per token by sigmoid(a learned linear of the token) (Qwen2/3.5-MoE's
     `shared_expert_gate`)."""
+    router_bias: bool = False
+    """The router's gate is a linear layer with a learned bias (GPT-OSS)."""
+    experts: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    """Routed experts: "swiglu" (w2(silu(w1 x) * w3 x), no biases; DeepSeek, Qwen3-MoE) or "clamped_swiglu"
+    (GPT-OSS: fused interleaved gate/up and down projections with biases, components/moe/experts.py)."""
+    swiglu_alpha: float = 1.702
+    """clamped_swiglu: the sigmoid's gain, gate * sigmoid(alpha * gate)."""
+    swiglu_limit: float = 7.0
+    """clamped_swiglu: the gate is clamped above at this value, the up projection to [-limit, limit]."""
 
     def check(self) -> None:
+        if self.experts not in ("swiglu", "clamped_swiglu"):
+            raise ValueError(f"experts must be swiglu or clamped_swiglu, got {self.experts!r}")
         if self.score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"score_func must be softmax or sigmoid, got {self.score_func!r}")
         if self.num_experts % self.n_groups:

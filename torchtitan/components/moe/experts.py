@@ -73,3 +73,55 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, dim] sorted by (local) expert with counts[e] tokens for local expert e."""
         return expert_swiglu(x, _local(self.w1), _local(self.w2), _local(self.w3), counts)
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's activation of a fused, interleaved gate/up projection [..., 2 x hidden] (gate at even, up at
+    odd columns): the gate clamped from above and the up projection on both sides at `limit`, then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = gate_up[..., ::2].clamp(max=limit)
+    up = gate_up[..., 1::2].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class ClampedSwiGLUExperts(nn.Module):
+    """GPT-OSS's routed experts, stored as its checkpoints store them (so the HF layout is a rename and every
+    tensor splits over experts on dim 0, for EP, FSDP and per-rank reads): `gate_up` [E, dim, 2 x hidden]
+    (gate and up interleaved by column) with `gate_up_bias` [E, 2 x hidden], `down` [E, hidden, dim] with
+    `down_bias` [E, dim]; expert e computes clamped_swiglu(x gate_up_e + b) down_e + down_bias_e."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, alpha: float, limit: float):
+        super().__init__()
+        self.num_experts, self.alpha, self.limit = num_experts, alpha, limit
+        self.gate_up = nn.Parameter(torch.empty(num_experts, dim, 2 * hidden_dim))
+        self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.down_bias = nn.Parameter(torch.empty(num_experts, dim))
+
+    def init_weights(self, out_std: float) -> None:
+        for w, std in ((self.gate_up, 0.02), (self.down, out_std)):
+            nn.init.trunc_normal_(w, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        nn.init.zeros_(self.gate_up_bias)
+        nn.init.zeros_(self.down_bias)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [N, dim] sorted by (local) expert with counts[e] tokens for local expert e."""
+        gate_up, gate_up_bias, down, down_bias = (
+            _local(w).to(x.dtype) for w in (self.gate_up, self.gate_up_bias, self.down, self.down_bias)
+        )
+        if grouped_mm_supported(x.device, x.dtype):
+            offsets = counts.cumsum(0).to(torch.int32)
+            expert_of = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts,
+                                                output_size=x.shape[0])
+            h = torch._grouped_mm(x, gate_up, offs=offsets) + gate_up_bias[expert_of]
+            h = clamped_swiglu(h, self.alpha, self.limit)
+            return torch._grouped_mm(h, down, offs=offsets) + down_bias[expert_of]
+        sizes = counts.tolist()
+        for size in sizes:
+            torch._check(size >= 0)
+        torch._check(sum(sizes) == x.shape[0])
+        out = []
+        for e, xe in enumerate(x.split(sizes)):
+            h = clamped_swiglu(xe @ gate_up[e] + gate_up_bias[e], self.alpha, self.limit)
+            out.append(h @ down[e] + down_bias[e])
+        return torch.cat(out) if out else x.new_zeros(0, down.shape[2])

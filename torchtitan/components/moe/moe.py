@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.components.moe.args import MoEArgs
-from torchtitan.components.moe.experts import GroupedExperts
+from torchtitan.components.moe.experts import ClampedSwiGLUExperts, GroupedExperts
 from torchtitan.components.moe.router import TokenChoiceRouter
 from torchtitan.protocols.model import is_shape_only_forward
 
@@ -60,7 +60,10 @@ class MoE(nn.Module):
         super().__init__()
         self.args = args
         self.router = TokenChoiceRouter(dim, args)
-        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
+        self.experts: GroupedExperts | ClampedSwiGLUExperts = (
+            GroupedExperts(dim, args.hidden_dim, args.num_experts) if args.experts == "swiglu"
+            else ClampedSwiGLUExperts(dim, args.hidden_dim, args.num_experts, args.swiglu_alpha, args.swiglu_limit)
+        )
         shared_hidden = args.shared_hidden_dim or args.hidden_dim * args.num_shared_experts
         self.shared_experts = SwiGLU(dim, shared_hidden) if args.num_shared_experts > 0 else None
         # Qwen3.5-MoE: sigmoid(gate(x)) scales the shared experts' output token by token.
@@ -75,11 +78,12 @@ class MoE(nn.Module):
     def active_params_per_token(self) -> int:
         """Weights each token multiplies: the router, the shared experts and top_k routed experts (the
         pipeline's balanced split weighs stages by this; distributed.balance.module_flops)."""
-        one_expert = sum(w[0].numel() for w in (self.experts.w1, self.experts.w2, self.experts.w3))
+        one_expert = sum(w[0].numel() for w in self.experts.parameters())  # every expert tensor is [E, ...]
         shared = 0 if self.shared_experts is None else sum(p.numel() for p in self.shared_experts.parameters())
         if self.shared_gate is not None:
             shared += self.shared_gate.weight.numel()
-        return self.router.gate.weight.numel() + shared + self.args.top_k * one_expert
+        router = sum(p.numel() for p in self.router.gate.parameters())
+        return router + shared + self.args.top_k * one_expert
 
     def init_weights(self, out_std: float, buffer_device: torch.device | None = None) -> None:
         self.router.init_weights(0.02)

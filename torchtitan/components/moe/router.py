@@ -11,10 +11,12 @@ class TokenChoiceRouter(nn.Module):
         super().__init__()
         args.check()
         self.args = args
-        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        self.gate = nn.Linear(dim, args.num_experts, bias=args.router_bias)
 
     def init_weights(self, std: float) -> None:
         nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        if self.gate.bias is not None:
+            nn.init.zeros_(self.gate.bias)
 
     def forward(
         self, x: torch.Tensor, expert_bias: torch.Tensor | None

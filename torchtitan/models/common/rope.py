@@ -5,6 +5,8 @@ and torch.compile). A family computes its own frequencies (Llama 3.1's or YaRN's
 `rope_table` to build the table from them.
 """
 
+import math
+
 import torch
 
 
@@ -41,3 +43,27 @@ def apply_rope_half(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
     cos, sin = rope.float().unsqueeze(-3).unbind(-1)  # insert the head dim so rows broadcast over heads
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+def yarn_frequencies(
+    head_dim: int, theta: float, factor: float, original_seq_len: int, beta_fast: float = 32.0,
+    beta_slow: float = 1.0, truncate: bool = True,
+) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071) as transformers computes it: (frequencies [head_dim/2] float64, attention
+    factor). Frequencies rotating more than beta_fast times over the original context are kept, those rotating
+    fewer than beta_slow times are divided by `factor`, and a linear ramp blends the band between (its ends
+    rounded outwards when `truncate`; GPT-OSS does not round). The attention factor 0.1 ln(factor) + 1
+    scales the (cos, sin) table, so q.k grows by its square. factor <= 1: plain RoPE, factor 1."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if factor <= 1:
+        return freqs, 1.0
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
+    return freqs / factor * ramp + freqs * (1 - ramp), 0.1 * math.log(factor) + 1.0
