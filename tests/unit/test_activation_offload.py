@@ -121,3 +121,30 @@ def test_pinned_host_offload_is_bitwise_identical_on_cuda(tmp_path):
 
     for a, b in zip(grads([]), grads(["offload"])):
         assert torch.equal(a, b)
+
+
+def test_offload_around_compiled_blocks_is_bitwise_identical(tmp_path, monkeypatch):
+    """The wrapper stays outside the compiled region (apply_compile compiles the block inside it); the
+    compiled blocks' saved tensors still go through the tier. AOTAutograd without inductor (aot_eager) keeps
+    the test cheap: the saved tensors pass through the same compiled autograd function either way."""
+    from torchtitan.distributed.compile import apply_compile
+
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_module(self, backend="aot_eager", **kw))
+
+    def run(choices):
+        model = _model(choices, tmp_path, n_layers=2)
+        apply_compile(model)
+        tokens = torch.randint(0, 2048, (2, 65), generator=torch.Generator().manual_seed(1))
+        cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        if choices:  # the block inside was compiled, not the wrapper
+            assert model.layers["0"]._compiled_call_impl is None
+            assert model.layers["0"].compile_target._compiled_call_impl is not None
+        written = model.layers["0"].offloader.tier._count if choices else 0
+        return [p.grad.clone() for p in model.parameters()], written
+
+    ref, _ = run([])
+    got, written = run(["offload"])
+    assert written == 2
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
