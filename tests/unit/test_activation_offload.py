@@ -19,17 +19,17 @@ from torchtitan.models.llama3 import Transformer, llama3_flavors
 from torchtitan.tools.activation_memory import activation_bytes
 
 
-def _model(choices: list[str], tmp_path, n_layers: int = 4) -> Transformer:
+def _model(choices: list[str], tmp_path, n_layers: int = 4, prefetch: bool = True) -> Transformer:
     args = dataclasses.replace(llama3_flavors["debugmodel_tiny"], n_layers=n_layers)
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights()
-    apply_block_choices(model, choices, torch.device("cpu"), str(tmp_path))
+    apply_block_choices(model, choices, torch.device("cpu"), str(tmp_path), prefetch)
     return model
 
 
-def _train(choices: list[str], tmp_path, steps: int = 4):
-    model = _model(choices, tmp_path)
+def _train(choices: list[str], tmp_path, steps: int = 4, prefetch: bool = True):
+    model = _model(choices, tmp_path, prefetch=prefetch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1)
     losses = []
@@ -48,10 +48,11 @@ def no_ac_run(tmp_path_factory):
     return _train([], tmp_path_factory.mktemp("keep"))
 
 
-@pytest.mark.parametrize("choices", [["offload"], ["offload", "keep", "full", "op"], ["keep", "offload", "offload", "full"]])
-def test_offload_is_bitwise_identical_to_no_ac(choices, no_ac_run, tmp_path):
+@pytest.mark.parametrize("choices, prefetch", [
+    (["offload"], True), (["offload", "keep", "full", "op"], True), (["keep", "offload", "offload", "full"], False)])
+def test_offload_is_bitwise_identical_to_no_ac(choices, prefetch, no_ac_run, tmp_path):
     ref_losses, ref_state = no_ac_run
-    losses, state = _train(choices, tmp_path)
+    losses, state = _train(choices, tmp_path, prefetch=prefetch)
     assert losses == ref_losses
     assert state.keys() == ref_state.keys()  # the wrapper does not leak into parameter names
     for k in ref_state:
