@@ -73,7 +73,8 @@ class Trainer:
         plan = plan_job(cfg, self.world_size)
         if cfg.memory.budget_gib:
             raise ValueError("--memory.budget_gib is planned by the entry point (python -m torchtitan.train, "
-                             "planning.memory_budget.resolve_budget) before the trainer: pass its --memory.block_choices")
+                             "planning.memory_budget.resolve_budget) before the trainer: pass its "
+                             "--memory.block_choices")
         self.spec, self.tokenizer, self.model_args = plan.spec, plan.tokenizer, plan.model_args
         model_line = model_summary(cfg, self.model_args, self.tokenizer)  # before pinning rewrites the source
         pin_model_shape(cfg, self.model_args)  # checkpoints' config.toml rebuild this shape without hf_config

@@ -31,7 +31,7 @@ block's saved tensors still pass through the hooks when it runs.
 """
 
 import os
-import queue
+import shutil
 import tempfile
 import threading
 import weakref
@@ -61,6 +61,8 @@ class FileTier:
         self.dir = tempfile.mkdtemp(prefix="torchtitan-offload-", dir=directory or None)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="activation-offload")
         self._count = 0
+        # The directory goes with the tier (or at exit): files of groups never read back go with it.
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)
 
     def write(self, storages: list[torch.UntypedStorage]) -> tuple[Future, int]:
         """Starts writing `storages` (in this order) to a new file; returns (a future of its path, the bytes)."""
@@ -104,9 +106,7 @@ class FileTier:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        for name in os.listdir(self.dir):
-            os.remove(os.path.join(self.dir, name))
-        os.rmdir(self.dir)
+        self._cleanup()
 
 
 class _Done(Future):
@@ -227,7 +227,6 @@ class ActivationOffloader:
         self.tier = tier
         self.prefetch = prefetch
         self.groups: list[_Group] = []  # alive, in the order they were created
-        self._writes: "queue.SimpleQueue" = queue.SimpleQueue()
         self._lock = threading.Lock()
 
     def run(self, block: nn.Module, *args, **kwargs):

@@ -38,8 +38,8 @@ from torchtitan.errors import USER_ERRORS
 from torchtitan.job_plan import JobPlan, plan_job
 from torchtitan.planning.cp_comm import cp_comm_line
 from torchtitan.planning.hardware import Device, headroom_note, memory_limit
-from torchtitan.planning.memory_budget import BudgetPlan, plan_budget
 from torchtitan.planning.memory import MUON_STEP_COMPONENT, MemoryEstimate, ModelShape, StateBytes, estimate_memory, rank_work
+from torchtitan.planning.memory_budget import BudgetPlan, plan_budget
 from torchtitan.protocols.model_shape import base_model_args
 from torchtitan.protocols.train_spec import get_train_spec
 
@@ -303,7 +303,8 @@ def dry_run(
     pd = plan.parallel_dims
     report.plan = plan
     try:  # --memory.budget_gib: the per-block plan for the target device (or this machine)
-        report.budget = plan_budget(cfg, plan, flops=device.bf16_flops if device else None, on_gpu=device is not None)
+        report.budget = plan_budget(cfg, plan, flops=device.bf16_flops if device else None,
+                                    on_gpu=device is not None)
     except USER_ERRORS as e:
         errors.append(_one_line(e))
     report.layout = " x ".join(

@@ -248,7 +248,8 @@ def block_costs(shape: ModelShape, work: RankWork, seq_len: int, microbatches: i
     q_dim = shape.q_dim or shape.dim
     forward = tokens * (2 * shape.block_params + 2 * seq_len * q_dim) / w.tp / flops
     output = tokens * 2 * shape.dim * shape.vocab / w.tp / flops if w.holds_output else 0.0
-    group, op, full = (int(tokens * block_elems_per_token(shape, c, w.tp) * w.act_bytes) for c in ("none", "op", "full"))
+    group, op, full = (int(tokens * block_elems_per_token(shape, c, w.tp) * w.act_bytes)
+                       for c in ("none", "op", "full"))
     kept = (int(group * w.in_flight), int(op * w.in_flight), int(full * w.in_flight), 0)
     # Recomputation rebuilds, during the block's backward, what keep would have kept and the choice did not.
     transient = (0, group - op, group - full, (RESIDENT_GROUPS if prefetch else 1) * group)
@@ -336,7 +337,8 @@ def plan_budget(cfg, plan, *, flops: float | None = None, on_gpu: bool | None = 
     x = _inputs(cfg, plan, flops, on_gpu, mfu)
     if x.state.params > budget:
         raise ValueError(f"--memory.budget_gib {mem.budget_gib} is below this rank's own parameters "
-                         f"({x.state.params / 2**30:.4f} GiB): raise it or shard the model over more ranks (FSDP/TP/PP)")
+                         f"({x.state.params / 2**30:.4f} GiB): raise it or shard the model over more ranks "
+                         f"(FSDP/TP/PP)")
     allowed = tuple(mem.plan_choices)
     room = activation_room(x.shape, x.state, x.work, budget)
     found, prefetch = None, True
