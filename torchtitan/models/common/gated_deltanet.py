@@ -158,6 +158,23 @@ class DecayGate(nn.Module):
         return -_local(self.A_log).float().exp() * F.softplus(a.float() + _local(self.dt_bias).float())
 
 
+class HeadRMSNorm(nn.Module):
+    """RMSNorm over each head's dv values (weight of ones), in float32 whatever the input and weight dtypes
+    (under mixed precision the output is gated in float32 next)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+
+
 def _trunc_normal(weight: torch.Tensor, std: float) -> None:
     nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
@@ -181,7 +198,7 @@ class GatedDeltaNet(nn.Module):
         self.conv = ShortConv(key_dim, value_dim, args.linear_conv_kernel_dim)
         self.decay = DecayGate(hv)
         # The output norm (per head over dv, weight of ones) before the SiLU(z) gate.
-        self.norm = nn.RMSNorm(args.linear_value_head_dim, eps=args.norm_eps)
+        self.norm = HeadRMSNorm(args.linear_value_head_dim, eps=args.norm_eps)
         self.out_proj = nn.Linear(value_dim, args.dim, bias=False)
         self.inner_attention = GatedDeltaRuleKernel(args.linear_chunk_size)
 
@@ -208,5 +225,5 @@ class GatedDeltaNet(nn.Module):
         o = self.inner_attention(self.in_proj_q(x), self.in_proj_k(x), self.in_proj_v(x), g, beta,
                                  self.conv.local(), self.head_dims, document_ids)
         z = self.in_proj_z(x).view(bsz, seq, -1, self.head_dims[1])
-        o = (self.norm(o).float() * F.silu(z.float())).to(x.dtype)
+        o = (self.norm(o) * F.silu(z.float())).to(x.dtype)
         return self.out_proj(o.reshape(bsz, seq, -1))
