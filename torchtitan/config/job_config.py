@@ -187,8 +187,10 @@ class Optimizer:
     weight_decay: float = 0.1
     """Decoupled weight decay (AdamW) or L2 penalty (Adam)."""
 
-    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
-    """Optimizer kernel: for-loop, foreach (multi-tensor) or fused."""
+    implementation: Literal["auto", "for-loop", "foreach", "fused"] = "auto"
+    """Optimizer kernel (AdamW/Adam, and Muon's AdamW group): auto = fused (one kernel per step for every
+    parameter; torch has it on CPU and CUDA) where torch has it for the parameters' device and dtype, foreach
+    (multi-tensor) elsewhere; the log names the choice. fused is refused at build time where torch lacks it."""
 
     muon_momentum: float = 0.95
     """Muon: momentum coefficient of the matrices' momentum buffer."""
