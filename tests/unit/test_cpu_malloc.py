@@ -65,6 +65,7 @@ def test_entry_point_uses_huge_pages_by_default_and_the_option_turns_them_off(tm
     import os
 
     from tests.unit.checkpoint_helpers import TINY
+    from torchtitan.tools import cpu_malloc
 
     if cpu_malloc.kernel_thp_mode() not in ("always", "madvise"):
         pytest.skip("the kernel has no transparent huge pages to ask for")
