@@ -9,7 +9,8 @@ by default, are above glibc's 32 MiB mmap ceiling as at real sizes), the framewo
 gradient clipping. Settings: `plain` = glibc as it starts; `keep` = large freed blocks kept without bound
 (`--training.cpu_keep_freed_memory`); `huge_pages` = the default (`--training.cpu_huge_pages`: torch's large
 CPU tensors on transparent huge pages).
-Per setting: median step time per shape (the first 10 steps excluded), peak RSS (the process's high-water
+With `--together` the settings' processes run at the same time, so that on a shared machine they share its
+load (their speeds are then comparable with each other only). Per setting: median step time per shape (the first 10 steps excluded), peak RSS (the process's high-water
 mark), and the highest RSS after a step over the first third of the steps and over the rest (flat: the second is not above the
 first by more than the noise), and the ratio of each to plain's.
 """
@@ -77,17 +78,25 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--together", action="store_true",
+                   help="run the settings' processes at the same time (a loaded machine: they share its load)")
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: run this mode in this process, print JSON
     a = p.parse_args()
     if a.one:
         print(json.dumps(run_one(a.one, a)))
         return
-    results = {}
+    results, running = {}, {}
     for mode in a.modes.split(","):
         cmd = [sys.executable, __file__, "--one", mode, "--steps", str(a.steps), "--dim", str(a.dim),
                "--vocab", str(a.vocab), "--seq-len", str(a.seq_len)]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
-        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+        running[mode] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        if not a.together:
+            running[mode].wait()
+    for mode, proc in running.items():
+        out, _ = proc.communicate()
+        if proc.returncode:
+            raise SystemExit(f"setting {mode} failed (exit {proc.returncode})")
+        results[mode] = json.loads(out.strip().splitlines()[-1])
     import torch
 
     from torchtitan.tools.precision import cpu_model_name
