@@ -8,16 +8,18 @@ vocabulary (128256), `--layers` blocks, the llama3 `Transformer` built from `Tra
 flavor machinery's args; any shape a flavor can name). Parameters in `--dtype` (bfloat16: this CPU
 multiplies bf16 natively; no autocast then), one model and optimizer shared by every variant:
 - framework, before: torchtitan's loss (`build_cross_entropy_loss`, one chunk: the plain loss), its
-  optimizer builder (AdamW, foreach), its gradient clipping: the defaults before the auto chunked loss;
+  optimizer builder with foreach AdamW, its gradient clipping: the defaults before the auto chunked loss;
 - bare PyTorch: the same model, F.cross_entropy on float32 logits, torch.optim.AdamW (foreach),
   torch.nn.utils.clip_grad_norm_;
-- framework, defaults: the same with `training.loss_chunk_size -1` (auto: chunked at this vocabulary);
-- framework, tuned: the defaults with AdamW's fused kernel (`--optimizer.implementation fused`);
-- with `--compile`, last: the tuned variant with every block compiled (`--compile.enable`'s regional
-  compile; the warm-up step compiles).
-Variants alternate step by step after one warm-up step each; medians. Every variant runs with glibc's malloc
-keeping freed memory, as the trainer does with `--training.cpu_keep_freed_memory` (`--default-malloc`: as
-glibc starts, the trainer's default). MFU = model FLOPs (the llama3
+- framework, defaults: the shipped defaults (no option set): `training.loss_chunk_size -1` (auto: chunked at
+  this vocabulary) and `optimizer.implementation auto` (fused AdamW where torch has it);
+- with `--compile`, last: the defaults with every block compiled (`--compile.enable`'s regional compile; the
+  warm-up step compiles).
+Variants alternate step by step after one warm-up step each; medians. The CPU allocator is the process's, so
+every variant runs with the one `--malloc` names: `huge_pages` (the trainer's default,
+`--training.cpu_huge_pages`: torch's large tensors on transparent huge pages), `plain` (glibc as it starts) or
+`keep` (glibc keeps freed memory, `--training.cpu_keep_freed_memory`); compare them by separate runs with
+`--only defaults`. MFU = model FLOPs (the llama3
 args' `flops_per_token`: 6 x non-embedding params + attention) / step time / the measured peak (the best
 large bf16 GEMM, torchtitan.tools.device_peak). Memory: peak RSS of the process (CPU). The breakdown: one
 profiled step per variant, self CPU time by op kind.
@@ -29,9 +31,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, not an installed copy
 
@@ -78,30 +77,38 @@ def breakdown(step, name: str = "") -> dict[str, float]:
 
 
 def main() -> None:
-    from torchtitan.components.loss import AUTO_CHUNK, build_cross_entropy_loss
-    from torchtitan.components.optimizer import build_optimizers
-    from torchtitan.config.job_config import JobConfig
-    from torchtitan.distributed.utils import clip_grad_norm_
-    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
-    from torchtitan.tools.cpu_malloc import keep_freed_memory
-    from torchtitan.tools.device_peak import peak_flops
-    from torchtitan.tools.memory import _peak_rss_bytes
-    from torchtitan.tools.params import count_params
-    from torchtitan.tools.precision import cpu_model_name
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--compile", action="store_true", help="also the tuned variant with each block compiled")
+    p.add_argument("--compile", action="store_true", help="also the defaults with each block compiled")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--only", choices=["before", "defaults", "tuned"], help="run this framework variant alone")
-    p.add_argument("--default-malloc", action="store_true",
-                   help="leave glibc's malloc as it is (the trainer's default; tools/cpu_malloc.py)")
+    p.add_argument("--only", choices=["before", "defaults"], help="run this framework variant alone")
+    p.add_argument("--malloc", default="huge_pages", choices=["huge_pages", "plain", "keep"],
+                   help="the CPU allocator setting of the process (default: the trainer's; tools/cpu_malloc.py)")
     a = p.parse_args()
+    import os
+
+    if a.malloc == "huge_pages":  # before torch's first CPU tensor, as torchtitan/train.py does
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
+    import torch
+    import torch.nn.functional as F
+
+    from torchtitan.components.loss import AUTO_CHUNK, build_cross_entropy_loss
+    from torchtitan.components.optimizer import build_optimizers
+    from torchtitan.config.job_config import JobConfig
+    from torchtitan.distributed.utils import clip_grad_norm_
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+    from torchtitan.tools import cpu_malloc
+    from torchtitan.tools.device_peak import peak_flops
+    from torchtitan.tools.memory import _peak_rss_bytes
+    from torchtitan.tools.params import count_params
+    from torchtitan.tools.precision import cpu_model_name
+
     dtype = getattr(torch, a.dtype)
-    kept = not a.default_malloc and keep_freed_memory()  # as --training.cpu_keep_freed_memory, for every variant
+    if a.malloc == "keep":
+        cpu_malloc.keep_freed_memory()  # as --training.cpu_keep_freed_memory, for every variant
 
     args = TransformerModelArgs(dim=2048, n_layers=a.layers, n_heads=16, n_kv_heads=8, vocab_size=128256,
                                 ffn_dim_multiplier=1.5, multiple_of=256, rope_theta=500000, max_seq_len=a.seq_len)
@@ -123,8 +130,9 @@ def main() -> None:
     default_loss = build_cross_entropy_loss(cfg)  # -1: auto, chunked at this vocabulary
     cfg.training.loss_chunk_size = a.seq_len  # one chunk: the plain loss, the default before auto
     plain_loss = build_cross_entropy_loss(cfg)
-    container = build_optimizers([model], cfg.optimizer)
+    container = build_optimizers([model], cfg.optimizer)  # implementation auto, the default
     (adamw,) = container.optimizers
+    auto_fused = adamw.defaults["fused"]
     params = list(model.parameters())
 
     def set_fused(fused: bool) -> None:
@@ -155,11 +163,11 @@ def main() -> None:
             adamw.step()
         adamw.zero_grad(set_to_none=True)
 
+    kernel = "fused" if auto_fused else "foreach"
     variants = {
         "framework, before (plain loss, foreach AdamW)": framework(plain_loss, False),
         "bare PyTorch (same kernels)": bare,
-        f"framework, defaults (auto: chunked loss {AUTO_CHUNK}, foreach AdamW)": framework(default_loss, False),
-        f"framework, tuned (chunked loss {AUTO_CHUNK}, fused AdamW)": framework(default_loss, True),
+        f"framework, defaults (auto: chunked loss {AUTO_CHUNK}, {kernel} AdamW)": framework(default_loss, auto_fused),
     }
     if a.only:  # one variant alone: its own peak RSS (alternating variants share one heap)
         variants = {n: v for n, v in variants.items() if n.startswith(f"framework, {a.only} ")}
@@ -177,7 +185,7 @@ def main() -> None:
 
         configure_compile_cache()
         apply_compile(model)
-        name = "framework, tuned + regional compile (each block)"
+        name = "framework, defaults + regional compile (each block)"
         variants[name] = variants[list(variants)[-1]]
         times[name] = []
         for rep in range(a.steps + 1):  # the warm-up step compiles
@@ -192,7 +200,7 @@ def main() -> None:
           f"{a.layers} layers, batch {a.batch} x seq {a.seq_len}, {a.dtype} parameters; {torch.get_num_threads()} threads, "
           f"{cpu_model_name()}, torch {torch.__version__}")
     print(f"model FLOPs per step {flops_per_step / 1e12:.2f} TFLOP; measured peak (best large {a.dtype} GEMM) "
-          f"{peak / 1e9:,.0f} GFLOP/s; process peak RSS {rss / 2**30:.1f} GiB; malloc keeps freed memory: {kept}")
+          f"{peak / 1e9:,.0f} GFLOP/s; process peak RSS {rss / 2**30:.1f} GiB; CPU allocator: {cpu_malloc.describe()}")
     print("| variant | step s (median, min-max) | tokens/s | MFU | " + " | ".join(f"{k} %" for k in KINDS) + " |")
     print("|---|---|---|---|" + "---|" * len(KINDS))
     for name in variants:
@@ -201,14 +209,16 @@ def main() -> None:
         shares = " | ".join(f"{100 * kinds[name][k] / total:.1f}" for k in KINDS)
         print(f"| {name} | {med:.2f} ({min(times[name]):.2f}-{max(times[name]):.2f}) | "
               f"{a.batch * a.seq_len / med:,.0f} | {100 * flops_per_step / med / peak:.1f}% | {shares} |")
-    for name in list(variants)[3:]:
+    for name in list(variants)[2:]:
         top = sorted(TOP_OPS.get(name, {}).items(), key=lambda kv: -kv[1])[:8]
         print(f"largest ops outside the matmuls, {name}: " + "; ".join(f"{op} {t:.2f} s" for op, t in top))
     if a.only:
         return
-    before, bare_s, defaults, tuned = (statistics.median(times[n]) for n in list(variants)[:4])
+    before, bare_s, defaults = (statistics.median(times[n]) for n in list(variants)[:3])
+    compiled = (f"; defaults + compile / defaults {defaults / statistics.median(times[list(variants)[3]]):.3f}x"
+                if a.compile else "")
     print(f"tokens/s ratios: framework before / bare {bare_s / before:.3f}x; defaults / bare {bare_s / defaults:.3f}x; "
-          f"defaults / before {before / defaults:.3f}x; tuned / before {before / tuned:.3f}x")
+          f"defaults / before {before / defaults:.3f}x{compiled}")
 
 
 if __name__ == "__main__":

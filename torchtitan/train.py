@@ -6,14 +6,20 @@ Launch with `./run_train.sh` (torchrun). The trainer itself lives in `torchtitan
 import os
 import sys
 
-import torch.distributed as dist
+if __name__ == "__main__":  # before torch's first CPU tensor (importing torch.distributed makes one)
+    from torchtitan.tools import cpu_malloc
 
-from torchtitan.config import ConfigError
-from torchtitan.protocols.train_spec import config_manager
-from torchtitan.errors import USER_ERRORS
-from torchtitan.planning.memory_budget import resolve_budget
-from torchtitan.tools.restart import LAUNCHED_ENV, peer_reported_user_error, record_failure
-from torchtitan.trainer import Trainer
+    cpu_malloc.choose_at_start()
+
+import torch.distributed as dist  # noqa: E402
+
+from torchtitan.config import ConfigError  # noqa: E402
+from torchtitan.protocols.train_spec import config_manager  # noqa: E402
+from torchtitan.errors import USER_ERRORS  # noqa: E402
+from torchtitan.planning.memory_budget import resolve_budget  # noqa: E402
+from torchtitan.tools import cpu_malloc  # noqa: E402
+from torchtitan.tools.restart import LAUNCHED_ENV, peer_reported_user_error, record_failure  # noqa: E402
+from torchtitan.trainer import Trainer  # noqa: E402
 
 PREEMPTED_EXIT = 143  # 128 + SIGTERM: the run stopped early (checkpoint saved); rerunning it resumes
 
@@ -32,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         record_failure(str(e), restartable=False, user_error=True)
         _say(e)
         return 2
+    cpu_malloc.respect_option(cfg.training.cpu_huge_pages)  # off: restarts this process once, without them
     trainer = None
     try:
         # A memory budget becomes per-block choices here, before the trainer builds anything.

@@ -36,6 +36,7 @@ from torchtitan.config import JobConfig
 from torchtitan.config.manager import save_config, to_toml
 from torchtitan.distributed import fault_tolerance, hang_watch
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.compile import compile_advice
 from torchtitan.distributed.context_parallel import shard_batch
 from torchtitan.errors import TrainingError
 from torchtitan.job_plan import plan_job
@@ -57,8 +58,10 @@ class Trainer:
         hang_watch.enable_flight_recorder(cfg.comm.trace_buf_size, cfg.job.dump_folder)  # NCCL only; before init
         self.device, self.rank, self.world_size = dist_utils.init_distributed(cfg.comm)
         init_logger(self.rank)
-        if self.device.type == "cpu" and cfg.training.cpu_keep_freed_memory and cpu_malloc.keep_freed_memory():
-            logger.info("CPU allocator: large freed blocks are kept for reuse (--training.cpu_keep_freed_memory)")
+        if self.device.type == "cpu":
+            if cfg.training.cpu_keep_freed_memory:
+                cpu_malloc.keep_freed_memory()
+            logger.info(f"CPU allocator: {cpu_malloc.describe()}")
         fault_injection.install(self.rank)  # no-op unless TORCHTITAN_FAULTS is set (fault-tolerance tests)
         self.preempted = False
         self.step_clock = stragglers.StepClock()  # this rank's data and time-to-ready per step
@@ -116,6 +119,8 @@ class Trainer:
         else:
             self.model_parts = [self.spec.parallelize_fn(model, pd, cfg)]
         self.converters.post_parallelize(self.model_parts)
+        if (advice := compile_advice(cfg, self.device.type)) and self.rank == 0:
+            logger.info(advice)
         self._init_weights(seed)
         # Autocast gives mixed precision where FSDP's policy does not apply (no data-parallel sharding).
         param_dtype, mp = precision.param, precision.mixed

@@ -1,5 +1,6 @@
 """tools/cpu_malloc.py: with glibc, a large block freed and allocated again is served from memory the process
-kept, not page-faulted in afresh; the trainer applies it on CPU unless told not to."""
+kept, not page-faulted in afresh; the trainer applies it on CPU when told to. The entry point puts torch's
+large CPU tensors on transparent huge pages by default, says so in the log, and one option turns it off."""
 
 import subprocess
 import sys
@@ -54,3 +55,31 @@ def test_trainer_applies_it_on_cpu_only_when_enabled(monkeypatch):
         trainer = trainer_module.Trainer(cfg)
         trainer.close()
         assert len(calls) == expected, flag
+
+
+def test_entry_point_uses_huge_pages_by_default_and_the_option_turns_them_off(tmp_path):
+    """`python -m torchtitan.train` (as torchrun starts each rank) on a CPU: the log's allocator line says
+    huge pages, read back from torch's allocator (a 2 MiB-aligned probe), not from the setting; with
+    `--training.cpu_huge_pages false` the process restarts once and the same probe says they are off (the
+    negative control: a probe that always said yes would fail here)."""
+    import os
+
+    from tests.unit.checkpoint_helpers import TINY
+    from torchtitan.tools import cpu_malloc
+
+    if cpu_malloc.kernel_thp_mode() not in ("always", "madvise"):
+        pytest.skip("the kernel has no transparent huge pages to ask for")
+    env = {k: v for k, v in os.environ.items() if k not in (cpu_malloc.HUGE_PAGES_ENV, "TORCHTITAN_THP_SET")}
+    env["OMP_NUM_THREADS"] = "1"
+    lines = {}
+    for flag in ("true", "false"):
+        out = subprocess.run(
+            [sys.executable, "-m", "torchtitan.train", *TINY, "--training.steps", "1",
+             "--job.dump_folder", str(tmp_path / flag), "--training.cpu_huge_pages", flag],
+            env=env, capture_output=True, text=True, timeout=600,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        lines[flag] = [line for line in out.stdout.splitlines() if "CPU allocator:" in line]
+        assert len(lines[flag]) == 1, out.stdout[-3000:]  # one line, even across the restart
+    assert "tensors of 2 MiB or more on transparent huge pages" in lines["true"][0], lines
+    assert "no huge pages (THP_MEM_ALLOC_ENABLE=0 at the first CPU tensor)" in lines["false"][0], lines

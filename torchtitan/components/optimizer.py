@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torchtitan.components.muon import MuonWithAdamW, check_muon_config, default_is_muon_param
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
+from torchtitan.tools.logging import logger
 
 _OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
     "AdamW": torch.optim.AdamW,
@@ -85,11 +86,11 @@ def _implementation_flags(implementation: str) -> dict[str, bool]:
         return {"foreach": True, "fused": False}
     if implementation == "fused":
         return {"foreach": False, "fused": True}
-    raise ValueError(f"Unknown optimizer implementation {implementation!r}; use for-loop, foreach or fused")
+    raise ValueError(f"Unknown optimizer implementation {implementation!r}; use auto, for-loop, foreach or fused")
 
 
-def _check_fused_supported(optimizer_class: type[torch.optim.Optimizer], params: list[torch.Tensor]) -> None:
-    """Fail at build time, with a clear message, where torch has no fused kernel for a parameter's device/dtype.
+def _fused_error(optimizer_class: type[torch.optim.Optimizer], params: list[torch.Tensor]) -> str | None:
+    """Why torch has no fused kernel for these parameters (None: it has one for every device and dtype).
 
     torch itself only notices at the first step, deep inside the training loop. A one-element probe step per
     (device, dtype) asks torch directly instead of mirroring its private list of supported devices.
@@ -100,10 +101,30 @@ def _check_fused_supported(optimizer_class: type[torch.optim.Optimizer], params:
         try:
             optimizer_class([probe], fused=True).step()
         except RuntimeError as e:
-            raise ValueError(
-                f"optimizer.implementation='fused' is not supported by torch {torch.__version__} for "
-                f"{dtype} parameters on {device.type}; use 'foreach' or 'for-loop'. ({e})"
-            ) from e
+            return f"torch {torch.__version__} has no fused kernel for {dtype} parameters on {device.type} ({e})"
+    return None
+
+
+def resolve_implementation(
+    implementation: str, optimizer_class: type[torch.optim.Optimizer], params: list[torch.Tensor]
+) -> str:
+    """The kernel a model part's AdamW/Adam runs: `auto` = fused (one kernel per step for all parameters;
+    torch has it on CPU and CUDA for floating dtypes) where torch has it for every parameter's device and
+    dtype, foreach otherwise. An explicit `fused` that torch lacks is refused here, at build time."""
+    if implementation not in ("auto", "fused"):
+        return implementation
+    error = _fused_error(optimizer_class, params)
+    if error is None:
+        return "fused"
+    if implementation == "fused":
+        raise ValueError(f"optimizer.implementation='fused': {error}; use 'auto', 'foreach' or 'for-loop'.")
+    return "foreach"
+
+
+def _log_choice(cfg: OptimizerConfig, chosen: set[str]) -> None:
+    how = "/".join(sorted(chosen)) or "none"
+    why = " (auto: fused where torch has the kernel, foreach elsewhere)" if cfg.implementation == "auto" else ""
+    logger.info(f"Optimizer: {cfg.name}, {how} kernel{why}")
 
 
 def build_optimizers(
@@ -128,21 +149,17 @@ def build_optimizers(
         raise ValueError(f"Unknown optimizer {cfg.name!r}; choose one of {sorted([*_OPTIMIZER_CLASSES, 'Muon'])}")
     optimizer_class = _OPTIMIZER_CLASSES[cfg.name]
     make_optimizer = functools.partial(
-        optimizer_class,
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-        **_implementation_flags(cfg.implementation),
+        optimizer_class, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
     )
-    optimizers = []
+    optimizers, chosen = [], set()
     for model in model_parts:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError(f"Model part {type(model).__name__} has no trainable parameters")
-        if cfg.implementation == "fused":
-            _check_fused_supported(optimizer_class, params)
-        optimizers.append(make_optimizer(params))
+        implementation = resolve_implementation(cfg.implementation, optimizer_class, params)
+        chosen.add(implementation)
+        optimizers.append(make_optimizer(params, **_implementation_flags(implementation)))
+    _log_choice(cfg, chosen)
     return OptimizersContainer(model_parts, optimizers)
 
 
@@ -152,7 +169,7 @@ def _build_muon(
     """Per model part: one MuonWithAdamW with a Muon group (the parameters `is_muon_param` picks) and an
     AdamW group (the rest), both at cfg.lr and cfg.weight_decay."""
     check_muon_config(cfg)
-    optimizers = []
+    optimizers, chosen = [], set()
     for model in model_parts:
         muon, adamw = [], []
         for name, p in model.named_parameters():
@@ -162,11 +179,13 @@ def _build_muon(
             raise ValueError(f"Model part {type(model).__name__} has no trainable parameters")
         groups = [{"params": muon, "use_muon": True}] if muon else []
         groups += [{"params": adamw, "use_muon": False}] if adamw else []
-        if cfg.implementation == "fused" and adamw:
-            _check_fused_supported(torch.optim.AdamW, adamw)
+        # The AdamW group's kernel (Muon's own update has none to choose).
+        implementation = resolve_implementation(cfg.implementation, torch.optim.AdamW, adamw) if adamw else "foreach"
+        chosen.add(implementation)
         optimizers.append(MuonWithAdamW(
             groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
             momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
-            ns_dtype=cfg.muon_ns_dtype, update_rms=cfg.muon_update_rms, **_implementation_flags(cfg.implementation),
+            ns_dtype=cfg.muon_ns_dtype, update_rms=cfg.muon_update_rms, **_implementation_flags(implementation),
         ))
+    _log_choice(cfg, chosen)
     return OptimizersContainer(model_parts, optimizers)

@@ -137,6 +137,13 @@ class Training:
     source_retry_backoff_s: float = 1.0
     """Seconds before the first retry of a failing source; doubled for each further one."""
 
+    cpu_huge_pages: bool = True
+    """CPU runs: torch's tensors of 2 MiB or more go on transparent huge pages (THP_MEM_ALLOC_ENABLE, set by
+    the entry point before torch's first tensor; tools/cpu_malloc.py), so the large blocks a step allocates
+    afresh fault in 2 MiB at a time instead of 4 KiB; freed blocks still go back to the OS (memory as glibc's
+    default: docs/performance.md). false: the process restarts once without them. No effect on GPU runs,
+    without the kernel's transparent huge pages, or where THP_MEM_ALLOC_ENABLE is set in the environment."""
+
     cpu_keep_freed_memory: bool = False
     """CPU runs: glibc's malloc keeps large freed blocks for the next step instead of unmapping each one and
     page-faulting it in again (tools/cpu_malloc.py): 1.40x a step at a 1B-shaped slice, but the kept heap
@@ -188,8 +195,10 @@ class Optimizer:
     weight_decay: float = 0.1
     """Decoupled weight decay (AdamW) or L2 penalty (Adam)."""
 
-    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
-    """Optimizer kernel: for-loop, foreach (multi-tensor) or fused."""
+    implementation: Literal["auto", "for-loop", "foreach", "fused"] = "auto"
+    """Optimizer kernel (AdamW/Adam, and Muon's AdamW group): auto = fused (one kernel per step for every
+    parameter; torch has it on CPU and CUDA) where torch has it for the parameters' device and dtype, foreach
+    (multi-tensor) elsewhere; the log names the choice. fused is refused at build time where torch lacks it."""
 
     muon_momentum: float = 0.95
     """Muon: momentum coefficient of the matrices' momentum buffer."""

@@ -45,7 +45,7 @@ def document_causal_mask(q_ids: torch.Tensor, k_ids: torch.Tensor, q_pos: torch.
     return (q_ids.unsqueeze(-1) == k_ids.unsqueeze(-2)) & (q_pos.unsqueeze(-1) >= k_pos.unsqueeze(-2))
 
 
-def _blockwise_document_attention(q, k, v, document_ids: torch.Tensor) -> torch.Tensor:
+def _blockwise_document_attention(q, k, v, document_ids: torch.Tensor, enable_gqa: bool = False) -> torch.Tensor:
     seq = q.shape[2]
     starts = document_start_index(document_ids)
     pos = torch.arange(seq, device=q.device)
@@ -55,7 +55,7 @@ def _blockwise_document_attention(q, k, v, document_ids: torch.Tensor) -> torch.
         k0 = int(starts[:, q0].min())  # the block's earliest document start over the batch
         mask = document_causal_mask(document_ids[:, q0:q1], document_ids[:, k0:q1], pos[q0:q1], pos[k0:q1])
         out.append(F.scaled_dot_product_attention(q[:, :, q0:q1], k[:, :, k0:q1], v[:, :, k0:q1],
-                                                  attn_mask=mask.unsqueeze(1)))
+                                                  attn_mask=mask.unsqueeze(1), enable_gqa=enable_gqa))
     return torch.cat(out, dim=2)
 
 
@@ -186,6 +186,13 @@ def blockwise_attention(
     if sinks is not None and sinks.shape != (q.shape[1],):
         raise ValueError(f"sinks must hold one logit per query head, shape ({q.shape[1]},), got {tuple(sinks.shape)}")
     return _BlockwiseAttention.apply(q, k, v, document_ids, window, sinks, block)
+def cpu_reads_kv_in_place(q: torch.Tensor) -> bool:
+    """The CPU kernel choice for grouped-query attention: SDPA's CPU flash kernel (and its blockwise use for
+    documents) with `enable_gqa`, instead of repeating the kv heads first: the same kernel on the same
+    values, minus a copy of k and v forward and a reduction of their gradients backward (measured per case by
+    scripts/bench_attention.py, docs/performance.md). Eager only: a compiled graph keeps the explicit repeat,
+    which every backend lowers. FlexAttention is no candidate on CPU (torch has no CPU backward for it)."""
+    return q.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 class ScaledDotProductAttention(nn.Module):
@@ -194,7 +201,8 @@ class ScaledDotProductAttention(nn.Module):
     `window` and the `sinks` of each call (see the module docstring).
 
     Grouped-query attention (Hkv < Hq) is resolved here: query head h reads key/value head h // (Hq/Hkv).
-    The kv heads are repeated explicitly rather than via `enable_gqa`, which not every fused backend accepts.
+    The kv heads are repeated explicitly rather than via `enable_gqa`, which not every fused backend accepts,
+    except on CPU in eager mode (`cpu_reads_kv_in_place`), where SDPA's flash kernel reads them in place.
     """
 
     KINDS = frozenset({"window", "sinks"})
@@ -215,6 +223,10 @@ class ScaledDotProductAttention(nn.Module):
         if self.window is not None or sinks is not None:
             return blockwise_attention(q, k, v, document_ids, self.window, sinks)
         n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1 and cpu_reads_kv_in_place(q):
+            if document_ids is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return _blockwise_document_attention(q, k, v, document_ids, enable_gqa=True)
         if n_rep > 1:
             k = k.repeat_interleave(n_rep, dim=1)
             v = v.repeat_interleave(n_rep, dim=1)
