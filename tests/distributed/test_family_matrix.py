@@ -6,8 +6,13 @@ by `plan_job` before any rank starts with one line (a USER_ERROR) that the table
 
 One process (in-process trainers, one after another): each AC mode, Float8 (emulated on CPU), document masking,
 Muon, and LoRA composed with Float8 and full AC. Two ranks, in ONE spawned group that builds one trainer per combination: FSDP 2, TP 2, PP 2, CP 2
-and, for the MoE families, EP 2. Compile is left to tests/distributed/test_compile.py (dense) and
-tests/unit/test_moe_compile.py (both MoE families): a compiled MoE block costs minutes on this CPU.
+and, for the MoE families, EP 2.
+
+Compile together with selective AC under the layouts (test_compiled_layouts; issue 31: the matrix tried compile
+only alone, and MoE compiled under EP died): every MoE family under EP 2 and EP 2 x TP 2 (2 ranks, ep spanning
+the tp ranks), and FSDP 2, TP 2, PP 2 each for one family in turn (a cold compile costs ~30 s per family and
+layout on 2 cores, so not every pair). CP 2 compiled is refused with one line (ring attention does not trace),
+and so is compile where the experts are FSDP-sharded apart from their block (EP 2 x TP 2 on 4 ranks).
 
 What is checked: the run ends with 2 finite losses; features that do not change the forward (AC, Muon) and the
 layouts log the same first-step loss as the family's plain one-process run (before any update: same init,
@@ -161,3 +166,38 @@ def test_two_rank_layouts(plain_losses, tmp_path):
     run_ranks(_train_all, 2, runs, [free_port() for _ in runs], str(tmp_path), timeout=1500)
     for family, feature, _ in runs:
         _check(family, feature, _losses(tmp_path / f"{family}_{feature}"), plain_losses[family])
+
+
+COMPILED = ["--compile.enable", "--activation_checkpoint.mode", "selective",
+            "--activation_checkpoint.selective_ac_option", "op"]
+EP_TP = ["--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
+COMPILE_REFUSED = {"cp2": "ring attention's point-to-point shifts and data-dependent block skipping do not trace"}
+
+
+def _compiled_combos():
+    """(family, layout, argv): the MoE families under ep2 and ep2tp2, the other layouts one family each in
+    turn (the families that run the layout eagerly, rotated by the layout's place)."""
+    runs = [(f, "ep2", TWO_RANKS["ep2"] + COMPILED) for f in FAMILIES if f in MOE]
+    runs += [(f, "ep2tp2", EP_TP + COMPILED) for f in FAMILIES if f in MOE]
+    for i, layout in enumerate(("fsdp2", "tp2", "pp2")):
+        able = [f for f in FAMILIES if (f, layout) not in REFUSED]
+        runs.append((able[i % len(able)], layout, TWO_RANKS[layout] + COMPILED))
+    return runs
+
+
+def test_compiled_layouts(plain_losses, tmp_path, monkeypatch):
+    for family in FAMILIES:
+        refusal = _refusal(family, TWO_RANKS["cp2"] + COMPILED, 2)
+        assert refusal is not None and COMPILE_REFUSED["cp2"] in refusal and "\n" not in refusal, (family, refusal)
+    refusal = _refusal(sorted(MOE)[0], EP_TP + COMPILED + ["--training.local_batch_size", "2"], 4)  # dp_shard 2
+    assert refusal is not None and "FSDP's hooks would break the compiled block" in refusal, refusal
+    runs = _compiled_combos()
+    for family, layout, extra in runs:
+        assert _refusal(family, extra, 2) is None, (family, layout)
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))  # cold, like CI; the ranks share it
+    runs = [(f, f"{layout}_compiled", extra) for f, layout, extra in runs]
+    run_ranks(_train_all, 2, runs, [free_port() for _ in runs], str(tmp_path), timeout=1500)
+    for family, feature, _ in runs:  # selective AC and compile change no forward: the plain first loss
+        losses = _losses(tmp_path / f"{family}_{feature}")
+        _check(family, feature, losses, plain_losses[family])
+        assert losses[0] == pytest.approx(plain_losses[family][0], rel=2e-2), (family, feature, losses)
