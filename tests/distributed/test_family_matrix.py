@@ -6,8 +6,13 @@ by `plan_job` before any rank starts with one line (a USER_ERROR) that the table
 
 One process (in-process trainers, one after another): each AC mode, Float8 (emulated on CPU), document masking,
 Muon, and LoRA composed with Float8 and full AC. Two ranks, in ONE spawned group that builds one trainer per combination: FSDP 2, TP 2, PP 2, CP 2
-and, for the MoE families, EP 2. Compile is left to tests/distributed/test_compile.py (dense) and
-tests/unit/test_moe_compile.py (both MoE families): a compiled MoE block costs minutes on this CPU.
+and, for the MoE families, EP 2.
+
+Compile with selective AC under a layout (issue 31: the matrix tried compile only alone, and MoE compiled under
+EP died): every MoE family under EP 2 (test_moe_compiled_under_ep; a cold compile costs ~30 s per family on 2
+cores). CP 2 compiled, and compile where the experts are FSDP-sharded apart from their block (EP 2 x TP 2 on 4
+ranks), are refused with one line (test_compile_refusals). Compile under the other layouts is left to
+tests/distributed/test_compile.py (dense, FSDP 2 and TP 2) and tests/unit/test_moe_compile.py (one process).
 
 What is checked: the run ends with 2 finite losses; features that do not change the forward (AC, Muon) and the
 layouts log the same first-step loss as the family's plain one-process run (before any update: same init,
@@ -161,3 +166,35 @@ def test_two_rank_layouts(plain_losses, tmp_path):
     run_ranks(_train_all, 2, runs, [free_port() for _ in runs], str(tmp_path), timeout=1500)
     for family, feature, _ in runs:
         _check(family, feature, _losses(tmp_path / f"{family}_{feature}"), plain_losses[family])
+
+
+COMPILED = ["--compile.enable", "--activation_checkpoint.mode", "selective",
+            "--activation_checkpoint.selective_ac_option", "op"]
+EP_TP = ["--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
+COMPILE_REFUSED = "ring attention's point-to-point shifts and data-dependent block skipping do not trace"
+
+
+def test_compile_refusals():
+    """Compiled blocks cannot run under CP, nor where the experts are FSDP-sharded apart from their block
+    (EP 2 x TP 2 on 4 ranks: dp_shard 2): one line each from plan_job, no rank started."""
+    for family in FAMILIES:
+        refusal = _refusal(family, TWO_RANKS["cp2"] + COMPILED, 2)
+        assert refusal is not None and COMPILE_REFUSED in refusal and "\n" not in refusal, (family, refusal)
+    for family in sorted(MOE):
+        refusal = _refusal(family, EP_TP + COMPILED + ["--training.local_batch_size", "2"], 4)
+        assert refusal is not None and "FSDP's hooks would break the compiled block" in refusal, refusal
+        assert _refusal(family, EP_TP + COMPILED, 2) is None  # 2 ranks: ep spans the tp ranks, no expert FSDP
+
+
+def test_moe_compiled_under_ep(plain_losses, tmp_path, monkeypatch):
+    """Every MoE family trains compiled, with selective AC, under EP 2 (issue 31: dynamo traced the hang
+    watch's wrapper of the all-to-all and the rank died)."""
+    runs = [(f, "ep2_compiled", TWO_RANKS["ep2"] + COMPILED) for f in FAMILIES if f in MOE]
+    for family, _, extra in runs:
+        assert _refusal(family, extra, 2) is None, family
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))  # cold, like CI; the ranks share it
+    run_ranks(_train_all, 2, runs, [free_port() for _ in runs], str(tmp_path), timeout=1500)
+    for family, feature, _ in runs:  # selective AC and compile change no forward: the plain first loss
+        losses = _losses(tmp_path / f"{family}_{feature}")
+        _check(family, feature, losses, plain_losses[family])
+        assert losses[0] == pytest.approx(plain_losses[family][0], rel=2e-2), (family, feature, losses)

@@ -11,8 +11,10 @@ import os
 import re
 
 import pytest
+import torch
 
 from tests.distributed.trainer_runs import train
+from tests.multiprocess import run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -41,3 +43,35 @@ def test_hang_report_names_the_missing_rank_and_collective(tmp_path):
     stack = (folder / "rank-1.txt").read_text()
     assert "in point" in stack and "fault_injection.py" in stack, stack[:3000]  # rank 1's own frame: the sleep
     assert "in train_step" in (folder / "rank-0.txt").read_text()  # rank 0's stack: inside the step's collective
+
+
+def _compiled_collective(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    from torchtitan.distributed import hang_watch
+
+    hang_watch.install_collective_log()
+
+    def step(x):
+        y = torch.empty_like(x)
+        dist.all_to_all_single(y, x)  # what MoE's expert-parallel dispatch issues inside a compiled block
+        return y * 2
+
+    x = torch.arange(4.0) + rank
+    before = hang_watch.LOG.snapshot()["counts"]
+    compiled = torch.compile(step, fullgraph=True)(x)  # dynamo traces the watch's wrapper
+    traced = hang_watch.LOG.snapshot()["counts"]
+    eager = step(x)
+    after = hang_watch.LOG.snapshot()["counts"]
+    return compiled, eager, before, traced, after
+
+
+def test_a_compiled_collective_passes_through_the_watch():
+    """Issue 31: dynamo traced the watch's wrapper and stopped on its lock (MoE compiled under EP died). Traced,
+    the wrapper now steps aside: the compiled collective runs and is not counted (on every rank alike); an eager
+    one is counted."""
+    for compiled, eager, before, traced, after in run_ranks(_compiled_collective, 2):
+        assert torch.equal(compiled, eager)
+        assert traced == before
+        assert sum(after.values()) == sum(before.values()) + 1

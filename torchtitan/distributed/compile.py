@@ -91,6 +91,30 @@ def check_compile_config(job_config: JobConfig, device_type: str) -> None:
             raise ValueError(f"--parallelism.enable_async_tensor_parallel cannot be used: {why}")
 
 
+def check_compile_layout(job_config: JobConfig, parallel_dims) -> None:
+    """Raises ValueError (one line) for layouts whose blocks cannot be compiled whole (fullgraph); plan_job
+    calls it once the degrees are resolved."""
+    if not compiles(job_config, "model"):
+        return
+    pd = parallel_dims
+    if pd.cp > 1:
+        # Ring attention (distributed/context_parallel.py) skips fully masked blocks by their values and shifts
+        # k/v with point-to-point ops: dynamo can trace neither (torch 2.13 stops on `mask.any()`).
+        raise ValueError(
+            f"--compile.enable cannot compile the blocks under --parallelism.context_parallel_degree {pd.cp}: ring "
+            f"attention's point-to-point shifts and data-dependent block skipping do not trace; turn one of them off"
+        )
+    expert_fsdp = pd.dp_replicate * pd.dp_shard_mod_ep
+    if pd.ep > 1 and expert_fsdp > 1:
+        # Those experts are their own FSDP group inside the compiled block; FSDP2's hooks are not traced.
+        raise ValueError(
+            f"--compile.enable with --parallelism.expert_parallel_degree {pd.ep}: the experts are FSDP-sharded "
+            f"apart from their block over {expert_fsdp} ranks, and FSDP's hooks would break the compiled block; "
+            f"set --parallelism.expert_parallel_degree {pd.dp_shard * pd.cp * pd.tp} (with no replicate degree) so "
+            f"no rank shares another's experts, or turn compile off"
+        )
+
+
 def _wait_for_async_output(module: nn.Module, inputs, output):
     # Under TP the embedding's output is an AsyncCollectiveTensor (its reduce-scatter still in flight). Fed to a
     # compiled block, its gradient comes back as a plain tensor where DTensor's backward needs a DTensor

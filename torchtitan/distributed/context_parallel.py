@@ -251,17 +251,19 @@ class _Ring:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
-    def shift(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def shift(self, t: torch.Tensor, tag: int = 0) -> Callable[[], torch.Tensor]:
         """Start passing `t` on; return a function that waits and yields the tensor from the previous rank.
 
-        `t` must not be modified until the returned function has been called.
+        `t` must not be modified until the returned function has been called. Shifts in flight at the same time
+        take distinct tags: gloo matches a receive by (peer, tag), and a message landing in a receive of another
+        size aborts the process from gloo's transport thread.
         """
         if self.size == 1:
             return lambda: t
         received = torch.empty_like(t)
         ops = [
-            dist.P2POp(dist.isend, t, group=self.group, group_peer=(self.rank + 1) % self.size),
-            dist.P2POp(dist.irecv, received, group=self.group, group_peer=(self.rank - 1) % self.size),
+            dist.P2POp(dist.isend, t, group=self.group, group_peer=(self.rank + 1) % self.size, tag=tag),
+            dist.P2POp(dist.irecv, received, group=self.group, group_peer=(self.rank - 1) % self.size, tag=tag),
         ]
         requests = dist.batch_isend_irecv(ops)
 
@@ -444,7 +446,7 @@ class _RingAttention(torch.autograd.Function):
                 else:
                     dkv = wait_dkv()
                 accumulate((ring.rank - step) % ring.size, current, dkv)
-                wait_dkv = ring.shift(dkv)
+                wait_dkv = ring.shift(dkv, tag=1)  # in flight with the k/v shift (tag 0), another size in bf16
                 if wait_kv is not None:
                     current = wait_kv()
             dkv = wait_dkv()
