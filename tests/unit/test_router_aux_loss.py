@@ -103,3 +103,48 @@ def test_refused_in_one_line_before_any_rank_starts(case, capsys):
                            "4"] + argv) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and says in err, err
+
+
+# GPT-OSS defines the same loss (router_aux_loss_coef, output_router_logits) over its biased router's logits.
+from torchtitan.models.gpt_oss.args import GptOssModelArgs, gpt_oss_moe  # noqa: E402
+from torchtitan.models.gpt_oss.model import GptOss  # noqa: E402
+from torchtitan.models.gpt_oss.state_dict_adapter import GptOssStateDictAdapter  # noqa: E402
+
+GPT_OSS_ARGS = GptOssModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=96,
+                               max_seq_len=64, sliding_window=8, moe=gpt_oss_moe(8, 16, 2))
+GPT_OSS_ARGS.moe.router_aux_loss_coef = COEF
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_hf_and_ours(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gpt_oss")
+    config = {k: v for k, v in GptOssStateDictAdapter.to_hf_config(GPT_OSS_ARGS, torch.float32).items()
+              if k not in ("architectures", "model_type", "torch_dtype")}
+    assert config["output_router_logits"] is True and config["router_aux_loss_coef"] == COEF
+    torch.manual_seed(0)
+    hf = transformers.GptOssForCausalLM(transformers.GptOssConfig(**config)).float()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("router.weight") or name.endswith("router.bias"):
+                p.normal_(0, 0.5)  # routers far from uniform (and a nonzero bias), so the loss is informative
+    hf.save_pretrained(str(folder))
+    state, args = load_hf_folder(str(folder), GptOssStateDictAdapter)
+    assert args.moe.router_aux_loss_coef == COEF  # the coefficient comes from the folder's config
+    ours = GptOss(args)
+    ours.load_state_dict(state, strict=False)  # the balancing bias buffer is ours alone (zeros)
+    return hf.train(), ours.train()
+
+
+def test_gpt_oss_aux_loss_and_its_gradient_equal_transformers(gpt_oss_hf_and_ours):
+    hf, ours = gpt_oss_hf_and_ours
+    out = hf(TOKENS, output_router_logits=True)
+    expected = GptOssStateDictAdapter.to_hf_config(GPT_OSS_ARGS)["router_aux_loss_coef"] * out.aux_loss
+    hf_gates = [p for n, p in hf.named_parameters() if n.endswith("router.weight")]
+    hf_grads = torch.autograd.grad(expected, hf_gates)
+    got = ours(TOKENS).aux_loss / TOKENS.numel()
+    torch.testing.assert_close(got.detach(), expected.detach(), rtol=1e-6, atol=1e-7)
+    assert len(hf_gates) == len(_gates(ours)) == GPT_OSS_ARGS.n_layers
+    for g_ours, g_hf in zip(torch.autograd.grad(got, _gates(ours)), hf_grads):
+        torch.testing.assert_close(g_ours, g_hf, rtol=1e-5, atol=1e-7)
+    config = {**GptOssStateDictAdapter.to_hf_config(GPT_OSS_ARGS), "output_router_logits": False}
+    assert GptOssStateDictAdapter.from_hf_config(config).moe.router_aux_loss_coef == 0.0

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from torchtitan.components.moe import MoE, MoEOutput
-from torchtitan.components.moe.moe import add_layer_stats
+from torchtitan.components.moe.moe import RouterBalance, add_layer_stats
 from torchtitan.models.common.attention import AttentionSinks, ScaledDotProductAttention
 from torchtitan.models.common.rope import apply_rope_half, rope_table, yarn_frequencies
 from torchtitan.models.gpt_oss.args import SLIDING, GptOssModelArgs
@@ -131,9 +131,12 @@ class GptOss(nn.Module):
         if positions is None:
             positions = self.fixed_positions
         aux_loss, metrics = None, {}
+        balance = RouterBalance()  # transformers' load-balancing loss, over every layer's tokens together
         for key, layer in self.layers.items():
             h, moe = layer(h, self.rope_cache, positions, document_ids)
             aux_loss = add_layer_stats(aux_loss, metrics, key, moe, layer.moe)
+            balance.add(moe, layer.moe)
+        aux_loss = balance.add_to(aux_loss)
         if self.norm is not None:
             h = self.norm(h)
         out = self.output(h) if self.output is not None else h

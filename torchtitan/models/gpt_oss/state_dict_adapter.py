@@ -43,6 +43,8 @@ _BALANCE_BIAS = "moe.expert_bias"
 class GptOssStateDictAdapter(StateDictAdapter):
     args: GptOssModelArgs
     HF_MODEL_TYPES = ("gpt_oss",)
+    # Training settings, not the model: a job may train a folder's weights with another balance loss weight.
+    HF_CONFIG_NOT_COMPARED = StateDictAdapter.HF_CONFIG_NOT_COMPARED | {"output_router_logits", "router_aux_loss_coef"}
 
     def hf_layout(self, key: str, shape: torch.Size):
         m = _OURS.fullmatch(key)
@@ -116,6 +118,8 @@ class GptOssStateDictAdapter(StateDictAdapter):
             "num_experts_per_tok": m.top_k,
             "swiglu_alpha": m.swiglu_alpha,
             "swiglu_limit": m.swiglu_limit,
+            "output_router_logits": m.router_aux_loss_coef > 0,
+            "router_aux_loss_coef": m.router_aux_loss_coef,
             "attention_bias": True,
             "attention_dropout": 0.0,
             "hidden_act": "silu",
@@ -170,6 +174,10 @@ class GptOssStateDictAdapter(StateDictAdapter):
         rope.finish()
         args.moe.swiglu_alpha = float(r.opt("swiglu_alpha", 1.702))
         args.moe.swiglu_limit = float(r.opt("swiglu_limit", 7.0))
+        # transformers trains with the load-balancing loss only when output_router_logits is true
+        args.moe.router_aux_loss_coef = (
+            float(r.opt("router_aux_loss_coef", 0.0)) if r.opt("output_router_logits") else 0.0
+        )
         r.ignore("num_experts")
         r.finish()
         return args
