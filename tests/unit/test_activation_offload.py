@@ -69,11 +69,11 @@ def test_a_tier_that_corrupts_one_bit_is_caught(no_ac_run, tmp_path, monkeypatch
         return buf
 
     monkeypatch.setattr(activation_offload.FileTier, "_read", staticmethod(flip_a_bit))
-    losses, _ = _train(["offload"], tmp_path, steps=3)
+    losses, state = _train(["offload"], tmp_path)
     assert losses[0] == no_ac_run[0][0]  # the forward is untouched...
-    # ...the gradients computed from what the tier gave back are not (Adam's first update, lr x sign of the
-    # gradient, hides a small change: it shows from the third loss on)
-    assert losses[2] != no_ac_run[0][2]
+    # ...the gradients computed from what the tier gave back are not: the trained weights differ (the losses
+    # may not show it within 4 steps, as Adam's first updates are lr x the sign of the gradient)
+    assert any(not torch.equal(state[k], no_ac_run[1][k]) for k in state)
 
 
 def test_offloaded_blocks_leave_nothing_resident(tmp_path):
