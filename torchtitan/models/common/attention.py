@@ -186,13 +186,6 @@ def blockwise_attention(
     if sinks is not None and sinks.shape != (q.shape[1],):
         raise ValueError(f"sinks must hold one logit per query head, shape ({q.shape[1]},), got {tuple(sinks.shape)}")
     return _BlockwiseAttention.apply(q, k, v, document_ids, window, sinks, block)
-def cpu_reads_kv_in_place(q: torch.Tensor) -> bool:
-    """The CPU kernel choice for grouped-query attention: SDPA's CPU flash kernel (and its blockwise use for
-    documents) with `enable_gqa`, instead of repeating the kv heads first: the same kernel on the same
-    values, minus a copy of k and v forward and a reduction of their gradients backward (measured per case by
-    scripts/bench_attention.py, docs/performance.md). Eager only: a compiled graph keeps the explicit repeat,
-    which every backend lowers. FlexAttention is no candidate on CPU (torch has no CPU backward for it)."""
-    return q.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 class ScaledDotProductAttention(nn.Module):
@@ -201,8 +194,8 @@ class ScaledDotProductAttention(nn.Module):
     `window` and the `sinks` of each call (see the module docstring).
 
     Grouped-query attention (Hkv < Hq) is resolved here: query head h reads key/value head h // (Hq/Hkv).
-    The kv heads are repeated explicitly rather than via `enable_gqa`, which not every fused backend accepts,
-    except on CPU in eager mode (`cpu_reads_kv_in_place`), where SDPA's flash kernel reads them in place.
+    The kv heads are repeated explicitly rather than via `enable_gqa`, which not every fused backend accepts
+    (on CPU `enable_gqa` was measured, docs/performance.md, and not adopted: see there).
     """
 
     KINDS = frozenset({"window", "sinks"})
@@ -223,10 +216,6 @@ class ScaledDotProductAttention(nn.Module):
         if self.window is not None or sinks is not None:
             return blockwise_attention(q, k, v, document_ids, self.window, sinks)
         n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1 and cpu_reads_kv_in_place(q):
-            if document_ids is None:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            return _blockwise_document_attention(q, k, v, document_ids, enable_gqa=True)
         if n_rep > 1:
             k = k.repeat_interleave(n_rep, dim=1)
             v = v.repeat_interleave(n_rep, dim=1)
