@@ -42,6 +42,7 @@ WRITE_KINDS = ("kill_in_write", "term_in_write", "disk_full")
 def install(rank: int) -> None:
     """Arms this rank's faults of this attempt; hooks the checkpoint writer only when a write fault is armed."""
     spec = os.environ.get("TORCHTITAN_FAULTS")
+    _FAULTS.clear()  # a trainer built again in the same process must not inherit the last run's faults
     if not spec:
         return
     attempt = int(os.environ.get("TORCHTITAN_ATTEMPT", "0"))
