@@ -12,11 +12,10 @@ and picks ring attention or state passing by the kernel's kind. A whole MoE mode
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.components.moe import MoE, MoEOutput
-from torchtitan.components.moe.moe import add_layer_stats
+from torchtitan.components.moe.moe import SwiGLU, add_layer_stats
 from torchtitan.models.common.gated_attention import GatedAttention, ZeroCenteredRMSNorm
 from torchtitan.models.common.gated_deltanet import GatedDeltaNet
 from torchtitan.models.common.rope import precompute_rope_cache
@@ -28,24 +27,6 @@ def _trunc_normal(weight: torch.Tensor, std: float) -> None:
     nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def init_weights(self, out_std: float) -> None:
-        _trunc_normal(self.w1.weight, 0.02)
-        _trunc_normal(self.w2.weight, out_std)
-        _trunc_normal(self.w3.weight, out_std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class Block(nn.Module):
     def __init__(self, layer_id: int, args: Qwen3_5ModelArgs):
         super().__init__()
@@ -54,7 +35,7 @@ class Block(nn.Module):
         self.attention = GatedDeltaNet(args) if self.kind == "linear_attention" else GatedAttention(args)
         self.ffn_norm = ZeroCenteredRMSNorm(args.dim, eps=args.norm_eps)
         if args.moe is None:
-            self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+            self.feed_forward = SwiGLU(args.dim, args.hidden_dim)
         else:
             self.moe = MoE(args.dim, args.moe)
         self.out_init_std = 0.02 / math.sqrt(2 * (layer_id + 1 if args.depth_init else args.n_layers))
