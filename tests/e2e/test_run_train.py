@@ -43,36 +43,62 @@ def test_two_process_cpu_run_trains_and_writes_its_run_folder(tmp_path):
     assert any((dump / "tb").rglob("events.out.tfevents.*"))
 
 
-@pytest.mark.parametrize(
-    "args,exit_code,message",
-    [
-        (["--training.stepz", "3"], 2, "unknown option --training.stepz; did you mean --training.steps?"),
-        (["--training.steps", "ten"], 2, "--training.steps expects an int, got 'ten'"),
-        (["--model.flavor", "debugmodle"], 1, "unknown flavor 'debugmodle'"),
-        (["--parallelism.tensor_parallel_degree", "3"], 1, "world size 1 is not divisible"),
-        (["--model.tokenizer_path", "/nonexistent/tok.model"], 1, "/nonexistent/tok.model"),
-        (["--training.enable_cpu_offload"], 1, "enable_cpu_offload moves GPU memory to the host: it needs CUDA"),
-    ],
-)
-def test_bad_input_gets_one_clear_line(tmp_path, args, exit_code, message):
-    p = run(["--job.dump_folder", str(tmp_path / "bad"), *args], ngpu=1, timeout=120)
-    assert p.returncode == exit_code, p.stderr
-    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and message in errors[0], p.stderr
-    assert "Traceback" not in p.stderr
-    assert not (tmp_path / "bad").exists()  # rejected before anything was written
+BAD_INPUT = [
+    (["--training.stepz", "3"], 2, "unknown option --training.stepz; did you mean --training.steps?"),
+    (["--training.steps", "ten"], 2, "--training.steps expects an int, got 'ten'"),
+    (["--model.flavor", "debugmodle"], 1, "unknown flavor 'debugmodle'"),
+    (["--parallelism.tensor_parallel_degree", "3"], 1, "world size 1 is not divisible"),
+    (["--model.tokenizer_path", "/nonexistent/tok.model"], 1, "/nonexistent/tok.model"),
+    (["--training.enable_cpu_offload"], 1, "enable_cpu_offload moves GPU memory to the host: it needs CUDA"),
+]
 
 
-def test_help_lists_options():
-    p = run(["--help"], timeout=120)
-    assert p.returncode == 0
-    assert "--training.mixed_precision_param" in p.stdout and "--parallelism.data_parallel_shard_degree" in p.stdout
-    assert "[moe]" not in p.stdout  # the default recipe's llama3 brings no section of its own
+def assert_one_line(code, stderr, exit_code, message, dump):
+    assert code == exit_code, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], stderr
+    assert "Traceback" not in stderr
+    assert not dump.exists()  # rejected before anything was written
 
 
-@pytest.mark.parametrize("args, recipe", [(["--model.name", "qwen3_moe"], None), ([], "train_configs/debug_moe.toml")],
-                         ids=["model_name_before_help", "moe_recipe"])
-def test_help_shows_the_sections_the_arguments_and_recipe_select(args, recipe):
-    p = run([*args, "--help"], env_extra={"CONFIG_FILE": recipe} if recipe else None, timeout=120)
+@pytest.mark.parametrize("args,exit_code,message", BAD_INPUT, ids=[a[0] for a, _, _ in BAD_INPUT])
+def test_bad_input_gets_one_clear_line(tmp_path, capsys, args, exit_code, message):
+    """What ./run_train.sh runs before torchrun (the pre-flight check, below through the launcher once), called
+    in-process: a launch per case costs seconds of interpreter start-up and adds nothing the launcher case
+    does not show."""
+    from torchtitan import preflight
+
+    code = preflight.main(["--world-size", "1", "--job.config_file", "train_configs/debug_model.toml",
+                           "--job.dump_folder", str(tmp_path / "bad"), *args])
+    assert_one_line(code, capsys.readouterr().err, exit_code, message, tmp_path / "bad")
+
+
+def test_the_launcher_stops_on_the_preflight_line_with_its_exit_code(tmp_path):
+    """run_train.sh passes the pre-flight check's exit code (2: the parser's) and its one line on, and starts no
+    rank; the pre-flight check's other lines are tested in-process above."""
+    args, exit_code, message = BAD_INPUT[0]
+    p = run(["--job.dump_folder", str(tmp_path / "bad"), *args], ngpu=1, timeout=300)
+    assert_one_line(p.returncode, p.stderr, exit_code, message, tmp_path / "bad")
+    assert "Starting job" not in p.stdout
+
+
+def test_help_after_other_arguments_shows_the_sections_they_select():
+    """The launcher's --help (issue 31: it dropped the arguments before --help, so [moe] was missing)."""
+    p = run(["--model.name", "qwen3_moe", "--help"], timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "\n[moe]\n" in p.stdout and "--moe.load_balance_coeff" in p.stdout
+    assert "--training.mixed_precision_param" in p.stdout and "--parallelism.data_parallel_shard_degree" in p.stdout
+
+
+@pytest.mark.parametrize("recipe, has_moe", [("train_configs/debug_model.toml", False),
+                                             ("train_configs/debug_moe.toml", True)], ids=["default", "moe_recipe"])
+def test_help_shows_the_sections_the_recipe_selects(capsys, recipe, has_moe):
+    """In-process: run_train.sh turns CONFIG_FILE into --job.config_file before --help (the launcher case above)."""
+    from torchtitan.train import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--job.config_file", recipe, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--training.mixed_precision_param" in out
+    assert ("\n[moe]\n" in out and "--moe.load_balance_coeff" in out) == has_moe  # llama3 brings no section
