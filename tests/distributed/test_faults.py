@@ -1,11 +1,11 @@
 """Faults at random moments, survived by automatic restart with bitwise-equal continuation.
 
 Each test runs the real launch path: `python -m torchtitan.tools.restart -- torchrun -m torchtitan.train` on 2
-gloo ranks (FSDP 2, async checkpoints every 2 steps), with three faults of one kind injected at seeded random
-steps (tools/fault_injection.py), one per attempt (five SIGKILLs of a rank, checkpoints every step, for
-kill_rank). The supervisor restarts the job after each fault, under its default same-failure limit of 3: each
-attempt completes a newer checkpoint before its fault, so failing the same way again and again is progress,
-not a streak (tools/restart.py); every
+gloo ranks (FSDP 2, async checkpoints every 2 steps), with two faults of one kind injected at seeded random
+steps (tools/fault_injection.py), one per attempt (four SIGKILLs of a rank, checkpoints every step, for
+kill_rank: one more than the supervisor's default same-failure limit of 3). The supervisor restarts the job
+after each fault: each attempt completes a newer checkpoint before its fault, so failing the same way again and
+again is progress, not a streak (tools/restart.py); every
 attempt must resume from the newest complete checkpoint (never a `.partial` one), and every step any attempt
 logs must have exactly the loss and grad norm of an uninterrupted run: a skipped or repeated sample, or lost
 optimizer or RNG state, changes the losses that follow. Complete checkpoints are never deleted by a fault.
@@ -113,12 +113,13 @@ def assert_bitwise(runs: list[list[dict]], reference: dict) -> None:
         )
 
 
-KILLS = 5  # kill_rank: more faults than the same-failure limit (3), each after a newer checkpoint
+KILLS = 4  # kill_rank: more faults than the same-failure limit (3), each after a newer checkpoint
+WRITE_FAULTS = 2  # the write faults: a repeated fault, each attempt resuming from the newest complete checkpoint
 EXTRA_ARGS = {"kill_rank": ["--checkpoint.interval", "1"]}
 
 
 def fault_plan(kind: str, seed: int) -> list[dict]:
-    """Three faults of `kind` (KILLS for kill_rank) at seeded random steps, one per attempt, each later than
+    """WRITE_FAULTS faults of `kind` (KILLS for kill_rank) at seeded random steps, one per attempt, each later than
     the one before, so every attempt gets past the previous fault and completes a newer checkpoint before its
     own: with async saves every step, the attempt that resumes from step r (two behind the step it was killed
     in, whose save was in flight) completes step r+1 when it saves r+2, so a kill at a later step than the
@@ -132,7 +133,7 @@ def fault_plan(kind: str, seed: int) -> list[dict]:
         # A SIGTERM stops the run at the next step boundary, unless that is the last step (nothing to resume).
         "term_in_write": range(2, STEPS - 2, 2),
     }.get(kind, range(2, STEPS, 2))
-    steps = sorted(rng.sample(candidates, 3))
+    steps = sorted(rng.sample(candidates, WRITE_FAULTS))
     return [{"kind": kind, "step": s, "attempt": i, **({"rank": rng.randrange(2)} if kind != "kill_in_write" else {})}
             for i, s in enumerate(steps)]
 
