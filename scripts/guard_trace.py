@@ -1,12 +1,13 @@
 """The spike guard on clean runs of the shipped recipes: does it ever call a healthy curve a spike, at any window
 from the smallest it accepts to the default? And does it still catch a 1e4x gradient at every window?
 
-    python scripts/guard_trace.py                                  # debug_model.toml, 200 steps
+    python scripts/guard_trace.py                                  # the six debug recipes, 200 steps
     python scripts/guard_trace.py --steps 200 --configs train_configs/debug_model.toml train_configs/qwen3_debug.toml
-    python scripts/guard_trace.py --metrics /path/to/metrics.jsonl # replay a finished run's log instead
+    python scripts/guard_trace.py --metrics a/metrics.jsonl b/metrics.jsonl  # replay finished runs' logs instead
+    python scripts/guard_trace.py --configs train_configs/qwen3_debug.toml --out /tmp/trace -- --training.seq_len 64
 
 Each recipe trains once, guard off, one process (`--metrics.log_freq 1`, validation off; extra trainer
-arguments after `--`). Its per-step loss and gradient norm are then fed to the guard (components/step_guard.py,
+arguments after `--`; `--out` keeps each run's folder, `{out}/{recipe}/metrics.jsonl`). Its per-step loss and gradient norm are then fed to the guard (components/step_guard.py,
 the class the trainer uses) at every window: while no event has happened the guard's history is exactly those
 values, so the first event it reports is the one the trainer would have acted on. Prints, per window, the
 events on the clean run (there should be none), and whether a 1e4x gradient norm injected at a step past the
@@ -28,7 +29,10 @@ sys.path.insert(0, ROOT)
 from torchtitan.components.step_guard import MIN_WINDOW, StepGuard  # noqa: E402
 from torchtitan.config.job_config import Guard  # noqa: E402
 
-RECIPES = ["train_configs/debug_model.toml"]
+# The shipped recipes a CPU runs: the others need a Hub tokenizer (assets/hf/...) and the c4 dataset.
+RECIPES = ["train_configs/debug_model.toml", "train_configs/qwen3_debug.toml", "train_configs/debug_moe.toml",
+           "train_configs/gpt_oss_debug.toml", "train_configs/qwen3_debug_lora.toml",
+           "train_configs/qwen3_debug_sft.toml"]
 
 
 def clean_run(config: str, steps: int, folder: str, extra: list[str]) -> list[tuple[int, float, float]]:
@@ -62,16 +66,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", default=RECIPES)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--metrics", help="replay this metrics.jsonl instead of training")
+    parser.add_argument("--metrics", nargs="+", help="replay these metrics.jsonl files instead of training")
+    parser.add_argument("--out", help="keep each run's folder here (default: a temporary folder)")
     parser.add_argument("--threshold", type=float, default=Guard.threshold)
     parser.add_argument("--max-window", type=int, default=Guard.window)
     parser.add_argument("extra", nargs="*", help="trainer arguments for every run")
     opts = parser.parse_args()
     runs = {}
     if opts.metrics:
-        runs[opts.metrics] = read(opts.metrics)
+        runs = {path: read(path) for path in opts.metrics}
     else:
         for config in opts.configs:
+            if opts.out:
+                folder = os.path.join(opts.out, os.path.splitext(os.path.basename(config))[0])
+                runs[config] = clean_run(config, opts.steps, folder, opts.extra)
+                continue
             with tempfile.TemporaryDirectory() as folder:
                 runs[config] = clean_run(config, opts.steps, folder, opts.extra)
     bad = 0
