@@ -84,3 +84,29 @@ def test_a_stage_waiting_for_its_weight_pass_holds_its_output_gradients_too():
     full = block_elems_per_token(s, "full")
     assert split_backward_pending_weight(s, "full") == pytest.approx(
         (block_elems_per_token(s, "none") - full + grads) / full)
+
+
+QWEN3_5 = ("debugmodel_tiny", "debugmodel_tiny_moe")  # block 0 Gated DeltaNet, block 1 gated attention
+
+
+@pytest.mark.parametrize("ac", MODES)
+@pytest.mark.parametrize("flavor", QWEN3_5)
+def test_qwen3_5_block_formulas_match_measured_saved_bytes(flavor, ac):
+    """Gated DeltaNet and gated-attention blocks, dense and MoE: each kind's formula against what its block
+    keeps (seq 64 = 4 chunks of 16; the conv's 3-token halo, 0.2%, is what the formula leaves out), and the
+    model's per-block figure is their average."""
+    from torchtitan.models.qwen3_5 import Qwen3_5, qwen3_5_flavors
+
+    args = qwen3_5_flavors[flavor]
+    torch.manual_seed(0)
+    model = Qwen3_5(args)
+    model.init_weights()
+    apply_ac(model, MODES[ac])
+    batch, seq = 2, 64
+    x = torch.randint(0, args.vocab_size, (batch, seq))
+    measured = activation_bytes(model, lambda: cross_entropy_sum(model(x).logits if args.moe else model(x), x))
+    shape = ModelShape.from_args(args)
+    per_kind = {k: block_elems_per_token(shape, ac, kind=k) * batch * seq * 4 for k in shape.kinds}
+    assert per_kind["linear_attention"] == pytest.approx(measured["0"], rel=0.01)
+    assert per_kind["full_attention"] == pytest.approx(measured["1"], rel=0.01)
+    assert block_elems_per_token(shape, ac) * batch * seq * 4 == pytest.approx(sum(per_kind.values()) / 2)
