@@ -110,3 +110,24 @@ def test_qwen3_5_block_formulas_match_measured_saved_bytes(flavor, ac):
     assert per_kind["linear_attention"] == pytest.approx(measured["0"], rel=0.01)
     assert per_kind["full_attention"] == pytest.approx(measured["1"], rel=0.01)
     assert block_elems_per_token(shape, ac) * batch * seq * 4 == pytest.approx(sum(per_kind.values()) / 2)
+
+
+def test_dry_run_prints_qwen3_5_block_kinds_and_estimates_its_peak():
+    """The dry run of a Qwen3.5 MoE debug model (one rank, fp32, AC op): a memory estimate, and one line with
+    each block kind's activations per microbatch from the formula (2 x 64 tokens x 4 bytes)."""
+    from torchtitan.models.qwen3_5 import qwen3_5_flavors
+    from torchtitan.planning.dry_run import dry_run, format_report
+    from torchtitan.protocols.train_spec import config_manager
+
+    cfg = config_manager().parse_args([
+        "--model.name", "qwen3_5", "--model.flavor", "debugmodel_tiny_moe", "--training.seq_len", "64",
+        "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode",
+        "selective"])
+    report = dry_run(cfg, world_size=1)
+    assert not report.errors and report.ranks[0].memory.components["activations"] > 0
+    shape = ModelShape.from_args(qwen3_5_flavors["debugmodel_tiny_moe"])
+    mib = {k: block_elems_per_token(shape, "op", kind=k) * 128 * 4 / 2**20 for k in shape.kinds}
+    assert report.block_kinds == (f"activations kept per block and microbatch (AC op): full_attention x1 "
+                                  f"{mib['full_attention']:,.1f} MiB, linear_attention x1 "
+                                  f"{mib['linear_attention']:,.1f} MiB")
+    assert report.block_kinds in format_report(report)
