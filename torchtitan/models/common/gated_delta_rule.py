@@ -95,9 +95,9 @@ def chunk_gated_delta_rule(
     dtype, final state [B, Hv, dk, dv] float32).
 
     What it keeps for backward, per token and value head (float32 elements; planning/memory.py counts the
-    same): q, k, k*beta, v, the solved [U0 | W] (dv + dk) and the decayed keys of the state write (dk) per
-    token; five C-wide rows (the pairwise decays, k k^T, the triangular system, q k^T, the masked scores);
-    and one [dk, dv] state per chunk."""
+    same): q, k, k*beta, the decayed query reads and the decayed keys of the state write (dk each), v, the
+    corrections U and the outputs (dv each), the solved [U0 | W] (dv + dk); five C-wide rows (the pairwise
+    decays, k k^T, the triangular system, q k^T, the masked scores); one [dk, dv] state per chunk."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     out_dtype = v.dtype
