@@ -55,10 +55,10 @@ def main(argv: list[str]) -> int:
         if a.vocab_size:
             args = dataclasses.replace(args, vocab_size=a.vocab_size)
         shape = ModelShape.from_args(args)
-        if shape is None:
+        if shape is None or shape.hybrid:
             raise ValueError(
                 f"the planner's formulas are for dense decoder blocks; model {a.model!r} declares no such shape "
-                f"(BaseModelArgs.transformer_shape)"
+                f"(BaseModelArgs.transformer_shape) or has blocks of other kinds (MoE, linear or gated attention)"
             )
         if a.devices < 1 or a.seq_len < 1 or a.global_batch_size < 1:
             raise ValueError("--devices, --seq-len and --global-batch-size must be positive")

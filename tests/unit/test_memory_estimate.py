@@ -84,3 +84,50 @@ def test_a_stage_waiting_for_its_weight_pass_holds_its_output_gradients_too():
     full = block_elems_per_token(s, "full")
     assert split_backward_pending_weight(s, "full") == pytest.approx(
         (block_elems_per_token(s, "none") - full + grads) / full)
+
+
+QWEN3_5 = ("debugmodel_tiny", "debugmodel_tiny_moe")  # block 0 Gated DeltaNet, block 1 gated attention
+
+
+@pytest.mark.parametrize("ac", MODES)
+@pytest.mark.parametrize("flavor", QWEN3_5)
+def test_qwen3_5_block_formulas_match_measured_saved_bytes(flavor, ac):
+    """Gated DeltaNet and gated-attention blocks, dense and MoE: each kind's formula against what its block
+    keeps (seq 64 = 4 chunks of 16; the conv's 3-token halo, 0.2%, is what the formula leaves out), and the
+    model's per-block figure is their average."""
+    from torchtitan.models.qwen3_5 import Qwen3_5, qwen3_5_flavors
+
+    args = qwen3_5_flavors[flavor]
+    torch.manual_seed(0)
+    model = Qwen3_5(args)
+    model.init_weights()
+    apply_ac(model, MODES[ac])
+    batch, seq = 2, 64
+    x = torch.randint(0, args.vocab_size, (batch, seq))
+    measured = activation_bytes(model, lambda: cross_entropy_sum(model(x).logits if args.moe else model(x), x))
+    shape = ModelShape.from_args(args)
+    per_kind = {k: block_elems_per_token(shape, ac, kind=k) * batch * seq * 4 for k in shape.kinds}
+    assert per_kind["linear_attention"] == pytest.approx(measured["0"], rel=0.01)
+    assert per_kind["full_attention"] == pytest.approx(measured["1"], rel=0.01)
+    assert block_elems_per_token(shape, ac) * batch * seq * 4 == pytest.approx(sum(per_kind.values()) / 2)
+
+
+def test_dry_run_prints_qwen3_5_block_kinds_and_estimates_its_peak():
+    """The dry run of a Qwen3.5 MoE debug model (one rank, fp32, AC op): a memory estimate, and one line with
+    each block kind's activations per microbatch from the formula (2 x 64 tokens x 4 bytes)."""
+    from torchtitan.models.qwen3_5 import qwen3_5_flavors
+    from torchtitan.planning.dry_run import dry_run, format_report
+    from torchtitan.protocols.train_spec import config_manager
+
+    cfg = config_manager().parse_args([
+        "--model.name", "qwen3_5", "--model.flavor", "debugmodel_tiny_moe", "--training.seq_len", "64",
+        "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode",
+        "selective"])
+    report = dry_run(cfg, world_size=1)
+    assert not report.errors and report.ranks[0].memory.components["activations"] > 0
+    shape = ModelShape.from_args(qwen3_5_flavors["debugmodel_tiny_moe"])
+    mib = {k: block_elems_per_token(shape, "op", kind=k) * 128 * 4 / 2**20 for k in shape.kinds}
+    assert report.block_kinds == (f"activations kept per block and microbatch (AC op): full_attention x1 "
+                                  f"{mib['full_attention']:,.1f} MiB, linear_attention x1 "
+                                  f"{mib['linear_attention']:,.1f} MiB")
+    assert report.block_kinds in format_report(report)

@@ -38,7 +38,15 @@ from torchtitan.errors import USER_ERRORS
 from torchtitan.job_plan import JobPlan, plan_job
 from torchtitan.planning.cp_comm import cp_comm_line
 from torchtitan.planning.hardware import Device, headroom_note, memory_limit
-from torchtitan.planning.memory import MUON_STEP_COMPONENT, MemoryEstimate, ModelShape, StateBytes, estimate_memory, rank_work
+from torchtitan.planning.memory import (
+    MUON_STEP_COMPONENT,
+    MemoryEstimate,
+    ModelShape,
+    StateBytes,
+    block_elems_per_token,
+    estimate_memory,
+    rank_work,
+)
 from torchtitan.planning.memory_budget import BudgetPlan, plan_budget
 from torchtitan.protocols.model_shape import base_model_args
 from torchtitan.protocols.train_spec import get_train_spec
@@ -90,6 +98,8 @@ class DryRunReport:
     """Bytes per rank per attention layer of the configured context-parallel method and its alternatives."""
     budget: BudgetPlan | None = None
     """The per-block memory plan of --memory.budget_gib (None without a budget)."""
+    block_kinds: str | None = None
+    """Models with several kinds of block (Qwen3.5): what one block of each kind keeps for backward."""
 
 
 def default_ranks(pp: int, world_size: int) -> list[int]:
@@ -311,6 +321,7 @@ def dry_run(
         f"{name} {getattr(pd, name)}" for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if getattr(pd, name) > 1
     ) or "single rank"
     report.cp_comm = cp_comm_line(cfg, pd, plan.model_args.transformer_shape(), plan.precision.mixed.itemsize)
+    report.block_kinds = block_kinds_line(cfg, plan)
     wanted = list(ranks) if ranks is not None else default_ranks(pd.pp, world_size)
     bad = [r for r in wanted if not 0 <= r < world_size]
     if bad:
@@ -331,6 +342,21 @@ def dry_run(
                 errors.append(line)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def block_kinds_line(cfg: JobConfig, plan: JobPlan) -> str | None:
+    """One line for a model whose blocks differ (planning/memory.py's per-kind formulas): the activations one
+    block of each kind keeps for backward per microbatch, under the job's AC, TP and CP. None otherwise."""
+    shape = ModelShape.from_args(plan.model_args)
+    if shape is None or len(shape.kinds) < 2:
+        return None
+    w = rank_work(cfg, plan.parallel_dims, plan.grad_accum, blocks=1, holds_embedding=True, holds_output=True,
+                  shape=shape)
+    tokens = w.tokens_per_microbatch / w.cp
+    figures = ", ".join(
+        f"{kind} x{n} {block_elems_per_token(shape, w.ac, w.tp, kind) * tokens * w.act_bytes / 2**20:,.1f} MiB"
+        for kind, n in shape.kinds.items())
+    return f"activations kept per block and microbatch (AC {w.ac}): {figures}"
 
 
 def _gib(n: int) -> str:
@@ -355,6 +381,8 @@ def format_report(report: DryRunReport) -> str:
         for r in report.ranks:
             if r.memory is not None:
                 lines.append(f"estimated peak memory of rank {r.rank}:\n{r.memory.table()}")
+    if report.block_kinds:
+        lines.append(report.block_kinds)
     if report.cp_comm:
         lines.append(report.cp_comm)
     if report.budget is not None:

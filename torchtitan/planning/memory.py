@@ -21,6 +21,26 @@ docs/planning.md) and exact there:
     AC none          10 D + 4 H + h          (norm inputs/outputs, q, attention output, FFN w1/w3/silu/product, lse)
     AC selective op   5 D + 2 KV + 2 H + h   (matmul and attention outputs only)
     AC full           D                      (the block input)
+Qwen3.5's blocks (gated softmax attention, Gated DeltaNet, MoE feed-forwards; measured the same way on the
+debug flavors' shapes, tests/unit/test_memory_estimate.py, exact up to the conv's K-1 token halo and
+per-block constants). Q = query width, h/hkv heads, KD/VD = DeltaNet key/value widths, Hk/Hv its heads of
+dk/dv, C its chunk; FFN = 4 H without AC and FFN_op = 2 H + D with op AC (SwiGLU), or the MoE's terms below:
+    gated attention, AC none   6 D + 9 Q + 2 KV + 2 h + hkv + FFN
+                     AC op     2 D + 3 Q + 2 KV + h + FFN_op
+    Gated DeltaNet,  AC none   6 D + 6 KD + 7 VD + 2 Hk + Hv (6 dk + 4 dv + 5 C + 7 + dk dv / C) + FFN
+                               (norms and residuals; q/k convs and their inputs and SiLUs, v's conv; the
+                               chunked kernel's q, k, k*beta, v, solved [U0 | W], decayed keys and query reads,
+                               five C-wide rows per token - pairwise decays, k k^T, the triangular system,
+                               q k^T, masked scores -, the corrections U, outputs, one [dk, dv] state per
+                               chunk; gates; the output norm, z and its gate)
+                     AC op     2 D + 2 KD + 2 VD + 2 Hv + Hv (2 C + 3 dv + dk dv / C) + FFN_op
+                               (projections, the kernel's batched matmuls and the chunk loop's four products)
+    MoE FFN (E experts, top k of hidden He, shared Hs)
+                     AC none   E + 3 k D + 4 k He + 8 k + 1 + 4 Hs (+ D + 1 with the shared expert's gate)
+                     AC op     E + 2 k He + k D + 2 Hs (+ D + 1 gated; + D ungated with a shared expert)
+    AC full          D
+A hybrid model's per-block figure (block_elems_per_token without `kind`) is the average over its blocks, so
+blocks x figure is the model's total; the dry run also prints each kind's figure.
 Tensor parallel with sequence parallel divides everything by tp except, without AC, the two all-gathered
 norm outputs the attention and FFN projections keep (2 D). Context parallel divides tokens by cp; by
 all-to-all (ulysses / hierarchical) without AC a block keeps one more D: the attention kernel's output on
@@ -35,6 +55,7 @@ import torch
 from torchtitan.components.loss import AUTO_CHUNK, auto_chunks
 from torchtitan.distributed.compile import compiles
 from torchtitan.planning.schedule_order import B, F, I, W, passes, schedule_order
+from torchtitan.protocols.model import LinearAttentionShape, MoEShape
 from torchtitan.tools.precision import DTYPE_NAMES, resolve_precision
 
 RUNTIME_BYTES_GPU = 2 * 2**30
@@ -55,22 +76,61 @@ class ModelShape:
     n_layers: int
     q_dim: int | None = None
     """Width of the query (and attention output) projection; None = dim (Llama). Qwen3 decouples it."""
+    gated_attention: bool = False
+    """Softmax blocks are Qwen3.5's gated attention (TransformerShape.gated_attention)."""
+    linear: LinearAttentionShape | None = None
+    """Gated DeltaNet blocks among the n_layers (hybrid models); None = none."""
+    moe: MoEShape | None = None
+    """The feed-forward of every block is this MoE layer (hidden unused); None = SwiGLU of `hidden`."""
 
     @classmethod
     def from_args(cls, a) -> "ModelShape | None":
-        """The shape the model args declare (BaseModelArgs.transformer_shape), or None for a model that is
-        not a dense decoder of this shape (e.g. MoE): then there is no memory estimate."""
+        """The shape the model args declare (BaseModelArgs.transformer_shape), or None for a model that
+        declares none (then there is no memory estimate)."""
         s = a.transformer_shape()
         if s is None:
             return None
         q_dim = s.n_heads * s.head_dim
         return cls(s.dim, s.ffn_hidden, s.n_kv_heads * s.head_dim, s.n_heads, s.vocab_size, s.n_layers,
-                   None if q_dim == s.dim else q_dim)
+                   None if q_dim == s.dim else q_dim, s.gated_attention, s.linear_attention, s.moe)
+
+    @property
+    def hybrid(self) -> bool:
+        """Blocks other than Llama-style softmax + SwiGLU: only the memory estimator has formulas for them (the
+        step-time planner does not)."""
+        return self.gated_attention or self.linear is not None or self.moe is not None
+
+    @property
+    def kinds(self) -> dict[str, int]:
+        """Block kind -> how many blocks of it."""
+        n_linear = self.linear.layers if self.linear else 0
+        return {k: n for k, n in (("full_attention", self.n_layers - n_linear), ("linear_attention", n_linear)) if n}
+
+    def _ffn_params(self) -> int:
+        d, m = self.dim, self.moe
+        if m is None:
+            return 3 * d * self.hidden
+        return 3 * d * (m.experts * m.hidden + m.shared_hidden) + d * m.experts + (d if m.shared_gate else 0)
+
+    def kind_params(self, kind: str) -> int:
+        """Parameters of one block of `kind` (FSDP gathers a block's parameters whole)."""
+        d, q = self.dim, self.q_dim or self.dim
+        if kind == "linear_attention":
+            la = self.linear
+            kd, vd = la.key_heads * la.key_head_dim, la.value_heads * la.value_head_dim
+            mixer = d * (2 * kd + 2 * vd + 2 * la.value_heads) + vd * d + la.conv_kernel * (2 * kd + vd) \
+                + 2 * la.value_heads + la.value_head_dim
+        elif self.gated_attention:
+            mixer = 3 * d * q + 2 * d * self.kv_dim + 2 * (q // self.n_heads)
+        else:
+            mixer = 2 * d * q + 2 * d * self.kv_dim
+        return mixer + self._ffn_params() + 2 * d
 
     @property
     def block_params(self) -> int:
-        q = self.q_dim or self.dim
-        return 2 * self.dim * q + 2 * self.dim * self.kv_dim + 3 * self.dim * self.hidden + 2 * self.dim
+        """Parameters of one block (a hybrid model's: the average over its blocks)."""
+        kinds = self.kinds
+        return round(sum(n * self.kind_params(k) for k, n in kinds.items()) / sum(kinds.values()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,8 +204,58 @@ class MemoryEstimate:
         return "\n".join(rows)
 
 
-def block_elems_per_token(shape: ModelShape, ac: str, tp: int = 1) -> float:
-    """Activation elements one block keeps per token of the microbatch (see the module docstring)."""
+def _ffn_elems(shape: ModelShape, ac: str) -> float:
+    """What the feed-forward keeps per token (AC none or op; see the module docstring)."""
+    d, m = shape.dim, shape.moe
+    if m is None:
+        return 4 * shape.hidden if ac == "none" else 2 * shape.hidden + d
+    if ac == "none":
+        routed = m.experts + 3 * m.top_k * d + 4 * m.top_k * m.hidden + 8 * m.top_k + 1
+        return routed + 4 * m.shared_hidden + (d + 1 if m.shared_gate and m.shared_hidden else 0)
+    routed = m.experts + 2 * m.top_k * m.hidden + m.top_k * d
+    return routed + (2 * m.shared_hidden + d + (1 if m.shared_gate else 0) if m.shared_hidden else 0)
+
+
+def _mixer_elems(shape: ModelShape, kind: str, ac: str) -> float:
+    """What the token mixer of a `kind` block keeps per token beyond the block input, norms, residuals and
+    feed-forward (AC none or op; see the module docstring)."""
+    d, kv, nh = shape.dim, shape.kv_dim, shape.n_heads
+    if kind == "linear_attention":
+        la = shape.linear
+        hv, dk, dv, c = la.value_heads, la.key_head_dim, la.value_head_dim, la.chunk_size
+        kd, vd = la.key_heads * dk, hv * dv
+        if ac == "none":
+            return 6 * kd + 7 * vd + 2 * la.key_heads + hv * (6 * dk + 4 * dv + 5 * c + 7 + dk * dv / c)
+        return 2 * kd + 2 * vd + 2 * hv + hv * (2 * c + 3 * dv + dk * dv / c) + d
+    q = shape.q_dim or d
+    if ac == "none":
+        return 9 * q + 2 * kv + 2 * nh + kv // (q // nh)
+    return 3 * q + 2 * kv + nh + d
+
+
+def _hybrid_block_elems(shape: ModelShape, kind: str, ac: str, tp: int) -> float:
+    d = shape.dim
+    if ac == "full":
+        return d / tp
+    # AC none: input-side norm (2 D + 1), the residual sum, the FFN norm (2 D + 1) and the block output (6 D + 2).
+    # AC op: the block input (kept for recomputation).
+    outside = 6 * d + 2 if ac == "none" else d
+    per_token = outside + _mixer_elems(shape, kind, ac) + _ffn_elems(shape, ac)
+    if ac == "none" and tp > 1:  # the two all-gathered norm outputs stay whole (as for Llama's blocks)
+        return 2 * d + (per_token - 2 * d) / tp
+    return per_token / tp
+
+
+def block_elems_per_token(shape: ModelShape, ac: str, tp: int = 1, kind: str | None = None) -> float:
+    """Activation elements one block keeps per token of the microbatch (see the module docstring). `kind`
+    (hybrid models: `linear_attention` / `full_attention`): that kind's blocks; None: the average over the
+    model's blocks."""
+    if shape.hybrid:
+        if ac not in ("none", "op", "full"):
+            k = int(ac)  # selective every k-th block: 1/k of the blocks keep only their input
+            return (block_elems_per_token(shape, "none", tp, kind) * (k - 1) + shape.dim / tp) / k
+        kinds = {kind: 1} if kind else shape.kinds
+        return sum(n * _hybrid_block_elems(shape, k, ac, tp) for k, n in kinds.items()) / sum(kinds.values())
     d, h, kv, nh = shape.dim, shape.hidden, shape.kv_dim, shape.n_heads
     none = 2 * d + (8 * d + 4 * h + nh) / tp if tp > 1 else 10 * d + 4 * h + nh
     if ac == "none":

@@ -108,6 +108,41 @@ class TransformerShape:
     n_kv_heads: int
     ffn_hidden: int
     vocab_size: int
+    gated_attention: bool = False
+    """The softmax blocks are Qwen3.5's gated attention (query + output gate projection, QK-norm, partial RoPE,
+    zero-centred norms) rather than Llama's."""
+    linear_attention: "LinearAttentionShape | None" = None
+    """Some blocks are Gated DeltaNet linear attention (hybrid models); None = every block is softmax."""
+    moe: "MoEShape | None" = None
+    """Every block's feed-forward is this MoE layer instead of a SwiGLU of ffn_hidden."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionShape:
+    """Sizes of a Gated DeltaNet block (models/common/gated_deltanet.py) that the memory estimator reads."""
+
+    layers: int
+    """How many of the n_layers blocks are linear attention (the others are softmax)."""
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    chunk_size: int
+    conv_kernel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEShape:
+    """Sizes of an MoE feed-forward (components/moe) that the memory estimator reads."""
+
+    experts: int
+    top_k: int
+    hidden: int
+    """Hidden width of one routed expert."""
+    shared_hidden: int = 0
+    """Hidden width of the shared expert(s) together; 0 = none."""
+    shared_gate: bool = False
+    """The shared expert's output is scaled by a sigmoid gate (Qwen3.5)."""
 
 
 class BaseModelArgs:

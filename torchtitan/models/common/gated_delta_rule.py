@@ -64,6 +64,20 @@ def _initial(initial_state, shape, like: torch.Tensor):
     return initial_state.to(like.dtype)
 
 
+def _chunk_major(x: torch.Tensor, n: int, c: int, pad: int, heads: int, dt: torch.dtype) -> torch.Tensor:
+    """[B, S, H, d] (or [B, S, H]) -> contiguous [N, B, Hv, C, d] (or [N, B, Hv, C]) in `dt`, k heads repeated
+    to the v heads. Chunk-major and contiguous on purpose: chunk i is one contiguous [B, Hv, C, d] block, so the
+    scan's matmuls read it in place, and the intra-chunk matmuls see one flat batch [N*B*Hv, C, d], which
+    batched matmul reads (transposed operands included) without the copies a strided batch would cost."""
+    x = x.to(dt)
+    if pad:
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+    x = x.view(x.shape[0], n, c, *x.shape[2:]).transpose(0, 1).transpose(2, 3)  # [N, B, H, C, (d)]
+    if x.shape[2] != heads:
+        return x.repeat_interleave(heads // x.shape[2], dim=2)  # a contiguous copy
+    return x.contiguous()
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -78,56 +92,61 @@ def chunk_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k [B, S, Hk, dk]; v [B, S, Hv, dv]; g (log decay, <= 0), beta [B, S, Hv]; initial_state
     [B, Hv, dk, dv] (zeros when None); resets [B, S] bool (document starts). Returns (o [B, S, Hv, dv] in v's
-    dtype, final state [B, Hv, dk, dv] float32)."""
+    dtype, final state [B, Hv, dk, dv] float32).
+
+    What it keeps for backward, per token and value head (float32 elements; planning/memory.py counts the
+    same): q, k, k*beta, the decayed query reads and the decayed keys of the state write (dk each), v, the
+    corrections U and the outputs (dv each), the solved [U0 | W] (dv + dk); five C-wide rows (the pairwise
+    decays, k k^T, the triangular system, q k^T, the masked scores); one [dk, dv] state per chunk."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     out_dtype = v.dtype
-    bsz, seq = v.shape[:2]
-    q, k, v, g, beta = _heads_first(q, k, v, g, beta, scale)
-    hv, dk, dv = v.shape[1], k.shape[-1], v.shape[-1]
-    pad = (-seq) % chunk_size
+    bsz, seq, hv, dv = v.shape
+    hk, dk = k.shape[2], k.shape[3]
+    if hv % hk:
+        raise ValueError(f"value heads {hv} must be a multiple of key heads {hk}")
+    dt = _compute_dtype(v)
+    scale = dk**-0.5 if scale is None else scale
+    c = chunk_size
+    pad = (-seq) % c
+    n = (seq + pad) // c
     # Padded tokens have beta 0 (no write) and g 0 (no decay): they leave the state as it was.
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
-    n, c = (seq + pad) // chunk_size, chunk_size
-    q, k, v = (x.reshape(bsz, hv, n, c, -1) for x in (q, k, v))
-    g, beta = g.reshape(bsz, hv, n, c), beta.reshape(bsz, hv, n, c)
+    q, k, v, g, beta = (_chunk_major(x, n, c, pad, hv, dt) for x in (q, k, v, g, beta))
 
-    cum = g.cumsum(-1)  # [B, H, N, C]
+    cum = g.cumsum(-1)  # [N, B, H, C]
     causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
     if resets is None:
         visible = causal  # (t, j): j <= t
         reads_in = None
     else:
-        seg = F.pad(resets, (0, pad)).reshape(bsz, 1, n, c).long().cumsum(-1)  # documents begun in the chunk
-        visible = causal & (seg.unsqueeze(-1) == seg.unsqueeze(-2))
+        seg = F.pad(resets, (0, pad)).view(bsz, n, c).transpose(0, 1).unsqueeze(2).long().cumsum(-1)
+        visible = causal & (seg.unsqueeze(-1) == seg.unsqueeze(-2))  # same document
         reads_in = (seg == 0).to(q.dtype)  # no reset between the chunk start and the token
     # e^(c_t - c_j) on visible pairs, 0 elsewhere (masked before exp, so no overflow on the upper triangle).
     decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~visible, float("-inf")).exp()
     gamma = cum.exp() if reads_in is None else cum.exp() * reads_in  # how much of S0 token t still sees
 
+    flat = (n * bsz * hv, c)
     kb = k * beta.unsqueeze(-1)
-    lower = (kb @ k.transpose(-1, -2)) * decay  # its diagonal is ignored by the unitriangular solve
+    kt = k.view(*flat, dk).transpose(-1, -2)
+    lower = torch.bmm(kb.view(*flat, dk), kt).view_as(decay) * decay  # diagonal ignored (unitriangular)
     # One solve for both right-hand sides: T (b V) and T (b e^c K).
-    u0, w = torch.linalg.solve_triangular(
-        lower, torch.cat([v * beta.unsqueeze(-1), kb * gamma.unsqueeze(-1)], dim=-1), upper=False, unitriangular=True
-    ).split([dv, dk], dim=-1)
-    attn = (q @ k.transpose(-1, -2)) * decay
-    # Both reads of the incoming state (by the WY keys and by the queries) as one [2C, dk] matrix per chunk.
-    reads = torch.cat([w, q * gamma.unsqueeze(-1)], dim=-2)
-    # What the chunk's last token keeps of each write, and of the incoming state.
-    last = decay[..., -1, :]  # [B, H, N, C]
-    k_out = (k * last.unsqueeze(-1)).transpose(-1, -2)
-    keep = gamma[..., -1:].unsqueeze(-1)  # [B, H, N, 1, 1]
+    rhs = torch.cat([v * beta.unsqueeze(-1), kb * gamma.unsqueeze(-1)], dim=-1)
+    u0w = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+    u0, w = u0w[..., :dv], u0w[..., dv:]
+    attn = torch.bmm(q.view(*flat, dk), kt).mul_(scale).view_as(decay) * decay
+    qg = q * (gamma * scale).unsqueeze(-1)  # the queries' read of the incoming state
+    # What the chunk's last token keeps of each write ([dk, C] per chunk), and of the incoming state.
+    k_out = (k * decay[..., -1, :].unsqueeze(-1)).transpose(-1, -2)
+    keep = gamma[..., -1:].unsqueeze(-1)  # [N, B, H, 1, 1]
 
     state = _initial(initial_state, (bsz, hv, dk, dv), q)
     outs = []
     for i in range(n):
-        w_s, q_s = (reads[:, :, i] @ state).split(c, dim=-2)
-        u = u0[:, :, i] - w_s
-        outs.append(q_s + attn[:, :, i] @ u)
-        state = keep[:, :, i] * state + k_out[:, :, i] @ u
-    o = torch.stack(outs, dim=2).reshape(bsz, hv, n * c, dv)[:, :, :seq]
+        u = u0[i] - w[i] @ state
+        outs.append(qg[i] @ state + attn[i] @ u)
+        state = keep[i] * state + k_out[i] @ u
+    o = torch.stack(outs, dim=2).view(bsz, hv, n * c, dv)[:, :, :seq]
     return o.transpose(1, 2).to(out_dtype), state
 
 

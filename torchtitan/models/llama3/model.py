@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.decoder_init import init_decoder_weights, trunc_normal_
 from torchtitan.models.common.rope import apply_rope_interleaved as apply_rope
 from torchtitan.models.common.rope import rope_table
 from torchtitan.models.llama3.args import RopeScalingArgs, TransformerModelArgs
@@ -41,9 +42,8 @@ def precompute_rope_cache(
     return rope_table(rope_frequencies(head_dim, theta, scaling), max_seq_len)
 
 
-def _trunc_normal(weight: torch.Tensor, std: float) -> None:
-    # nn.init ops work in place on DTensor parameters, so this also initialises FSDP/TP shards.
-    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+# nn.init ops work in place on DTensor parameters, so this also initialises FSDP/TP shards.
+_trunc_normal = trunc_normal_
 
 
 class Attention(nn.Module):
@@ -165,17 +165,7 @@ class Transformer(nn.Module):
         output ~ N(0, dim^-0.5); normals truncated at 3 std. Norm weights are ones. A tied matrix gets the
         output's init.
         """
-        self.tie_weights()
-        with torch.device(buffer_device or self.rope_cache.device):
-            self.rope_cache = self._rope_cache()
-        if self.tok_embeddings is not None and not self.model_args.tie_embeddings:
-            nn.init.normal_(self.tok_embeddings.weight)
-        for layer in self.layers.values():
-            layer.init_weights()
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None:
-            _trunc_normal(self.output.weight, self.model_args.dim**-0.5)
+        init_decoder_weights(self, buffer_device, lambda layer: layer.init_weights())
 
     def forward(
         self,

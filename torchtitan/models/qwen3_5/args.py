@@ -7,7 +7,7 @@ from typing import Any
 
 from torchtitan.components.moe.args import MoEArgs, moe_args_for_job
 from torchtitan.distributed.parallel_dims import LayoutError
-from torchtitan.protocols.model import BaseModelArgs
+from torchtitan.protocols.model import BaseModelArgs, LinearAttentionShape, MoEShape, TransformerShape
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -109,6 +109,21 @@ class Qwen3_5ModelArgs(BaseModelArgs):
         linear = 6 * (self.n_layers - self.n_full) * self.linear_num_value_heads * (3 * dk * dv + c * (2 * dk + dv))
         full = 12 * self.n_full * self.n_heads * self.head_dim * seq_len
         return 6 * params + linear + full
+
+    def transformer_shape(self) -> TransformerShape:
+        """The sizes the memory estimator's per-block formulas read (planning/memory.py): gated softmax blocks,
+        the DeltaNet blocks among them, and the MoE layer of MoE flavors."""
+        moe = None
+        if self.moe is not None:
+            m = self.moe
+            shared = m.shared_hidden_dim or m.num_shared_experts * m.hidden_dim
+            moe = MoEShape(m.num_experts, m.top_k, m.hidden_dim, shared if m.num_shared_experts else 0, m.shared_gate)
+        linear = LinearAttentionShape(
+            self.n_layers - self.n_full, self.linear_num_key_heads, self.linear_num_value_heads,
+            self.linear_key_head_dim, self.linear_value_head_dim, self.linear_chunk_size, self.linear_conv_kernel_dim,
+        )
+        return TransformerShape(self.dim, self.n_layers, self.n_heads, self.head_dim, self.n_kv_heads, self.hidden_dim,
+                                self.vocab_size, gated_attention=True, linear_attention=linear, moe=moe)
 
     def divisible_by(self) -> dict[str, dict[str, int]]:
         """TP splits the softmax heads, the DeltaNet key and value heads, and the vocabulary; EP the experts."""

@@ -1,17 +1,25 @@
 """Named Qwen3.5 sizes: debug models and published shapes.
 
-Where the numbers come from (this machine has no network, so none was re-read from the Hub here):
-- `9B` and `35B-A3B` are transformers 5's Qwen3_5TextConfig / Qwen3_5MoeTextConfig defaults, which its
-  docstrings give as those checkpoints' shapes; RoPE theta 1e7 and 262,144 positions are the published
-  configs' values as recalled (transformers' defaults say 1e4 and 32,768).
-- `0.8B` (the benchmark's shape) is the published config as recalled: check it against the Hub's
-  config.json before relying on it; `--model.hf_config <folder>` always reads a folder's real shape.
-Every published size: vocabulary 248,320, head_dim 256 with partial_rotary_factor 0.25, DeltaNet head dims
-128, conv kernel 4, every 4th layer full attention.
+Where the numbers come from (no network here; checked with the `search` tool's stored public texts):
+- Every published size: vocabulary 248,320, head_dim 256, partial_rotary_factor 0.25, RoPE theta 1e7,
+  262,144 positions, DeltaNet head dims 128 and 16 key heads, conv kernel 4, every 4th layer full attention,
+  norm eps 1e-6: the `text_config` of Qwen/Qwen3.5-0.8B's and Qwen/Qwen3.5-35B-A3B's config.json as mirrored in
+  public test fixtures (found by `find_string '"linear_num_value_heads": 16'` / `'"moe_intermediate_size": 512'`),
+  and THUDM/slime scripts/models/qwen3.5-*.sh (rotary-base 10000000, rotary-percent 0.25, kv-channels 256).
+  (transformers 5's Qwen3_5TextConfig defaults are the 9B's shape but say theta 1e4 and 32,768 positions: the
+  checkpoints' values win.)
+- Per size (text_config): 0.8B from that config.json mirror; 2B, 4B, 9B, 27B and 35B-A3B from a public
+  registry of the Hub configs (fields that differ from transformers' defaults), 35B-A3B also from slime's
+  script (16/2 heads, 256 experts of 512, top 8, shared expert 512 behind a gate, 16/32 DeltaNet heads).
+  Tied embeddings: 0.8B, 2B, 4B (config.json `tie_word_embeddings: true`); 9B, 27B, 35B-A3B untied.
+`--model.hf_config <folder>` always reads a folder's real shape instead.
 
     flavor    dim   layers  heads/kv  ffn (or experts)        DeltaNet k/v heads  tied
     0.8B      1024  24      8/2       3584                    16/16               yes
+    2B        2048  24      8/2       6144                    16/16               yes
+    4B        2560  32      16/4      9216                    16/32               yes
     9B        4096  32      16/4      12288                   16/32               no
+    27B       5120  64      24/4      17408                   16/48               no
     35B-A3B   2048  40      16/2      256 x 512, top 8, +512  16/32               no
 
 The debug flavors differ on purpose where the code could confuse two sizes: k heads != v heads, key and
@@ -54,8 +62,14 @@ qwen3_5_flavors: dict[str, Qwen3_5ModelArgs] = {
                                               "layer_types": ("linear_attention", "full_attention")}),
     "0.8B": _published(dim=1024, n_layers=24, hidden_dim=3584, n_heads=8, n_kv_heads=2, linear_num_key_heads=16,
                        linear_num_value_heads=16, tie_embeddings=True),
+    "2B": _published(dim=2048, n_layers=24, hidden_dim=6144, n_heads=8, n_kv_heads=2, linear_num_key_heads=16,
+                     linear_num_value_heads=16, tie_embeddings=True),
+    "4B": _published(dim=2560, n_layers=32, hidden_dim=9216, n_heads=16, n_kv_heads=4, linear_num_key_heads=16,
+                     linear_num_value_heads=32, tie_embeddings=True),
     "9B": _published(dim=4096, n_layers=32, hidden_dim=12288, n_heads=16, n_kv_heads=4, linear_num_key_heads=16,
                      linear_num_value_heads=32),
+    "27B": _published(dim=5120, n_layers=64, hidden_dim=17408, n_heads=24, n_kv_heads=4, linear_num_key_heads=16,
+                      linear_num_value_heads=48),
     "35B-A3B": _published(dim=2048, n_layers=40, hidden_dim=512, n_heads=16, n_kv_heads=2, linear_num_key_heads=16,
                           linear_num_value_heads=32, moe=_moe(256, 512, 8, 512)),
 }

@@ -17,14 +17,11 @@ from torch import nn
 from torchtitan.components.moe import MoE, MoEOutput
 from torchtitan.components.moe.moe import SwiGLU, add_layer_stats
 from torchtitan.models.common.gated_attention import GatedAttention, ZeroCenteredRMSNorm
+from torchtitan.models.common.decoder_init import init_decoder_weights
 from torchtitan.models.common.gated_deltanet import GatedDeltaNet
 from torchtitan.models.common.rope import precompute_rope_cache
 from torchtitan.models.qwen3_5.args import Qwen3_5ModelArgs
 from torchtitan.protocols.model import ModelOutput
-
-
-def _trunc_normal(weight: torch.Tensor, std: float) -> None:
-    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
 class Block(nn.Module):
@@ -91,17 +88,7 @@ class Qwen3_5(nn.Module):
         """Embedding ~ N(0, 1) (a tied one gets the output's init), projections ~ N(0, 0.02) or the
         depth-scaled std, output ~ N(0, dim^-0.5); zero-centred norm weights 0; DeltaNet: A uniform in
         [0.01, 16] (A_log its log), dt_bias 1, conv as PyTorch's Conv1d default, output norm weight 1."""
-        self.tie_weights()
-        with torch.device(buffer_device or self.rope_cache.device):
-            self.rope_cache = self._rope_cache()
-        if self.tok_embeddings is not None and not self.model_args.tie_embeddings:
-            nn.init.normal_(self.tok_embeddings.weight)
-        for layer in self.layers.values():
-            layer.init_weights(buffer_device)
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None:
-            _trunc_normal(self.output.weight, self.model_args.dim**-0.5)
+        init_decoder_weights(self, buffer_device, lambda layer: layer.init_weights(buffer_device))
 
     def forward(
         self,
