@@ -110,13 +110,14 @@ def brute_force(blocks: list[BlockCost], room: int, allowed: tuple[str, ...] = C
     return None if best is None else BlockPlan(best[1], best[0][1], best[0][0])
 
 
-def _dp(blocks: list[BlockCost], allowed: list[list[int]], room: int) -> tuple[tuple[str, ...], bool] | None:
+def _dp(blocks: list[BlockCost], allowed: list[list[int]], room: int,
+        max_units: int = MAX_UNITS) -> tuple[tuple[str, ...], bool] | None:
     weights = [b.bytes[c] for b, a in zip(blocks, allowed) for c in a]
     # Sums of multiples of the gcd fit the room exactly when they fit its largest multiple of the gcd.
     quantum = max(1, math.gcd(*weights))
-    exact = room // quantum <= MAX_UNITS
+    exact = room // quantum <= max_units
     if not exact:
-        quantum = -(-room // MAX_UNITS)
+        quantum = -(-room // max_units)
     units = room // quantum
     best = np.full(units + 1, np.inf)
     best[0] = 0.0
@@ -144,9 +145,10 @@ def _dp(blocks: list[BlockCost], allowed: list[list[int]], room: int) -> tuple[t
     return tuple(reversed(choices)), exact
 
 
-def solve(blocks: list[BlockCost], room: int, allowed: tuple[str, ...] = CHOICES) -> BlockPlan | None:
+def solve(blocks: list[BlockCost], room: int, allowed: tuple[str, ...] = CHOICES,
+          max_units: int = MAX_UNITS) -> BlockPlan | None:
     """The plan with the least added seconds whose activation bytes are <= `room` (None: nothing fits),
-    using only the `allowed` choices."""
+    using only the `allowed` choices (`max_units`: the memory axis's largest size, see the module docstring)."""
     best: BlockPlan | None = None
     ok = [CHOICES.index(c) for c in allowed]
     for largest in sorted({t for b in blocks for c, t in enumerate(b.transient) if c in ok}):
@@ -156,7 +158,7 @@ def solve(blocks: list[BlockCost], room: int, allowed: tuple[str, ...] = CHOICES
         options = [[c for c in ok if b.transient[c] <= largest] for b in blocks]
         if not all(options):
             continue
-        found = _dp(blocks, options, cap)
+        found = _dp(blocks, options, cap, max_units)
         if found is None:
             continue
         choices, exact = found
