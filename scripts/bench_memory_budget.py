@@ -22,7 +22,6 @@ step times (/work/coord/bin/quiet on the shared machine); it prints the load ave
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -42,7 +41,10 @@ def run_one(argv: list[str]) -> None:
     from torchtitan.train import main
 
     code = main(argv)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM, the high-water mark of this process's own memory: ru_maxrss would carry over the parent's RSS at
+    # fork (the bench's 0.78 GiB after its tier measurement), a floor under every run that needs less.
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     folder = argv[argv.index("--job.dump_folder") + 1]
     with open(os.path.join(folder, "metrics.jsonl")) as f:
         steps = [json.loads(line) for line in f]
