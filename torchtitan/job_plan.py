@@ -20,6 +20,7 @@ from torchtitan.components.hf_folder import check_weight_shapes, weight_shapes
 from torchtitan.components.muon import check_muon_config
 from torchtitan.components.quantization import ModelConverters, build_model_converters
 from torchtitan.config import JobConfig
+from torchtitan.components.optimizer_offload import check_optimizer_offload
 from torchtitan.distributed.activation_checkpoint import check_ac_config, check_block_choices
 from torchtitan.distributed.compile import check_compile_config, check_compile_layout, compiles
 from torchtitan.distributed.context_parallel import ContextParallelAttention
@@ -85,6 +86,7 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
     converters.convert(model)
     _check_model_inputs(cfg, model)
     check_block_choices(cfg.memory, cfg.activation_checkpoint, len(model.layers))
+    check_optimizer_offload(cfg, device_type)
     # The kernel each attention will run: ring and hierarchical context parallel swap in ring attention;
     # Ulysses runs the model's own kernel over whole sequences.
     ring_cp = pd.cp_enabled and cfg.parallelism.context_parallel_method != "ulysses"

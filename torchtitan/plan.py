@@ -2,6 +2,7 @@
 
     python -m torchtitan.plan --model llama3 --flavor 8B --devices 8 --device-type H100-80GB \
         --seq-len 8192 --global-batch-size 16 [--top 3] [--mfu 0.5] [--memory-headroom 0.1] [--float8 [--float8-all-gather]] [--async-tp]
+        [--memory-budget-gib 40 [--offload-bandwidth-gbps 20]]
 
 Prints the fastest layouts that fit, each with its predicted throughput, where the time goes, its peak
 memory, and the TOML to paste into a recipe. See docs/planning.md for the model and its assumptions.
@@ -28,6 +29,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--memory-headroom", type=float, default=0.0,
                     help="fraction of the device's memory a layout must leave free, e.g. 0.1 for room the estimator "
                          "does not model on your device (see scripts/gpu/check_memory_estimate.py); default 0")
+    ap.add_argument("--memory-budget-gib", "--memory.budget_gib", type=float, default=0.0,
+                    help="per-rank peak budget in GiB (the trainer's --memory.budget_gib): every layout must stay "
+                         "within it, and each is also judged with the memory-budget planner's choice of keep, op, "
+                         "full or offload per block (docs/memory_budget.md); the recipe carries the budget. 0 = none")
+    ap.add_argument("--offload-bandwidth-gbps", "--memory.offload_bandwidth_gbps", type=float, default=0.0,
+                    help="GB/s each way of the activation offload tier (default: pinned host memory over PCIe, "
+                         "planning/memory_budget.py OFFLOAD_BANDWIDTH_CUDA)")
     ap.add_argument("--hf-config", default=None,
                     help="a Hugging Face folder (or config.json) giving the shape instead of --flavor")
     ap.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
@@ -44,6 +52,7 @@ def main(argv: list[str]) -> int:
     from torchtitan.errors import USER_ERRORS
     from torchtitan.planning.hardware import get_device, memory_limit
     from torchtitan.planning.memory import ModelShape
+    from torchtitan.planning.memory_budget import OFFLOAD_BANDWIDTH_CUDA
     from torchtitan.planning.planner import Features, explain, parse_model_parallel, plan_layouts
     from torchtitan.planning.step_time import DEFAULT_MFU
     from torchtitan.protocols.model_shape import model_args_for
@@ -65,20 +74,30 @@ def main(argv: list[str]) -> int:
         model_parallel = parse_model_parallel(a.parallelisms)
         features = Features(float8=a.float8, float8_all_gather=a.float8_all_gather, async_tp=a.async_tp)
         limit = memory_limit(device, a.memory_headroom)
+        if a.memory_budget_gib < 0:
+            raise ValueError(f"--memory-budget-gib {a.memory_budget_gib:g} must be 0 (no budget) or a positive "
+                             f"number of GiB")
+        if a.offload_bandwidth_gbps < 0:
+            raise ValueError(f"--offload-bandwidth-gbps {a.offload_bandwidth_gbps:g} must be positive (or 0: the "
+                             f"default)")
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result = plan_layouts(shape, device, a.devices, a.seq_len, a.global_batch_size,
                           a.mfu or DEFAULT_MFU, features=features, model_parallel=model_parallel,
-                          memory_headroom=a.memory_headroom)
+                          memory_headroom=a.memory_headroom, budget_bytes=a.memory_budget_gib * 2**30,
+                          offload_bandwidth=(a.offload_bandwidth_gbps or OFFLOAD_BANDWIDTH_CUDA) * 1e9)
     dropped = ", ".join(f"{n} {why}" for why, n in result.dropped.items())
     print(f"{a.model} {a.flavor} on {a.devices} x {device.name}, seq {a.seq_len}, global batch "
           f"{a.global_batch_size}: {len(result.ranked)} layouts fit"
           + (f" within {limit / 2**30:.1f} GiB ({100 * a.memory_headroom:.0f}% of memory kept free)"
-             if a.memory_headroom else "") + f" ({dropped})\n")
+             if a.memory_headroom else "")
+          + (f" within a budget of {a.memory_budget_gib:g} GiB per rank" if a.memory_budget_gib else "")
+          + f" ({dropped})\n")
     if not result.ranked:
         print("error: no layout fits; add devices, shorten --seq-len or lower --global-batch-size"
-              + (" or --memory-headroom" if a.memory_headroom else ""), file=sys.stderr)
+              + (" or --memory-headroom" if a.memory_headroom else "")
+              + (" or raise --memory-budget-gib" if a.memory_budget_gib else ""), file=sys.stderr)
         return 1
     best = result.ranked[0].time.total
     for i, c in enumerate(result.ranked[: a.top], 1):

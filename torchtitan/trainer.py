@@ -61,6 +61,8 @@ class Trainer:
         if self.device.type == "cpu":
             if cfg.training.cpu_keep_freed_memory:
                 cpu_malloc.keep_freed_memory()
+            elif cfg.memory.cpu_return_freed:  # a memory budget bounds resident memory: nothing freed stays
+                cpu_malloc.return_freed_memory()
             logger.info(f"CPU allocator: {cpu_malloc.describe()}")
         fault_injection.install(self.rank)  # no-op unless TORCHTITAN_FAULTS is set (fault-tolerance tests)
         self.preempted = False
@@ -132,6 +134,11 @@ class Trainer:
 
         # ---- optimization state -------------------------------------------------------------------------
         self.optimizers = self.spec.build_optimizers_fn(self.model_parts, cfg.optimizer, pd)
+        if cfg.memory.offload_optimizer:  # optimizer state in files between steps (checked in plan_job)
+            from torchtitan.components.optimizer_offload import OffloadedOptimizerState
+
+            self.optimizers.state_offload = [OffloadedOptimizerState(m, cfg.memory.offload_dir)
+                                             for m in self.model_parts]
         self.lr_schedulers = self.spec.build_lr_schedulers_fn(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
         self.post_optimizer_step_fns = (self.converters.post_optimizer_hook, *self.spec.post_optimizer_step_fns)
         self.validator = self.spec.build_validator_fn(cfg) if cfg.validation.enable else None

@@ -83,3 +83,35 @@ def test_entry_point_uses_huge_pages_by_default_and_the_option_turns_them_off(tm
         assert len(lines[flag]) == 1, out.stdout[-3000:]  # one line, even across the restart
     assert "tensors of 2 MiB or more on transparent huge pages" in lines["true"][0], lines
     assert "no huge pages (THP_MEM_ALLOC_ENABLE=0 at the first CPU tensor)" in lines["false"][0], lines
+
+
+# Resident MiB left after 64 blocks of 4 MiB are allocated and all but the last freed, once an 8 MiB mmapped
+# block has been freed (which raises glibc's dynamic mmap threshold to 8 MiB, so the 4 MiB blocks come from a
+# heap that cannot shrink below its last live block), with glibc's default and with the threshold fixed.
+_RETURN_PROBE = """
+import sys
+sys.path.insert(0, {root!r})
+from torchtitan.tools import cpu_malloc
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+if {fixed}:
+    assert cpu_malloc.return_freed_memory()
+big = bytearray(8 * 2**20)
+del big
+base = rss()
+blocks = [bytearray(4 * 2**20) for _ in range(64)]
+last = blocks[-1]
+del blocks
+print((rss() - base) / 2**20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_return_freed_memory_keeps_resident_memory_to_the_live_blocks():
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    kept = [float(subprocess.run([sys.executable, "-c", _RETURN_PROBE.format(root=root, fixed=f)], text=True,
+                                 capture_output=True, check=True).stdout) for f in (False, True)]
+    assert kept[0] > 200 and kept[1] < 16, kept  # glibc's dynamic threshold keeps ~252 MiB freed; fixed: ~4

@@ -123,10 +123,21 @@ def test_refusal_names_the_least_budget_that_works(extremes, tmp_path):
     assert set(met.choices) <= {"full", "offload"}
 
 
-def test_budget_between_extremes_mixes_choices_and_trains_like_no_ac(extremes, tmp_path, capsys):
+def _losses(folder):
+    with open(folder / "metrics.jsonl") as f:
+        return [m["loss"] for m in map(json.loads, f) if "loss" in m]
+
+
+@pytest.fixture(scope="module")
+def no_ac_losses(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ref")
+    main(TINY + ["--job.dump_folder", str(folder)])
+    return _losses(folder)
+
+
+def test_budget_between_extremes_mixes_choices_and_trains_like_no_ac(extremes, no_ac_losses, tmp_path, capsys):
     keep, least = extremes
     budget = f"{(keep + least) / 2:.4f}"
-    main(TINY + ["--job.dump_folder", str(tmp_path / "ref")])
     argv = TINY + ["--job.dump_folder", str(tmp_path / "planned"), "--memory.budget_gib", budget,
                    "--memory.offload_dir", str(tmp_path)]
     cfg, resolved = resolve_budget(config_manager().parse_args(argv), 1)
@@ -134,11 +145,28 @@ def test_budget_between_extremes_mixes_choices_and_trains_like_no_ac(extremes, t
     assert main(argv) == 0
     assert "memory plan for a budget of" in capsys.readouterr().out
 
-    def losses(folder):
-        with open(tmp_path / folder / "metrics.jsonl") as f:
-            return [m["loss"] for m in map(json.loads, f) if "loss" in m]
+    assert len(no_ac_losses) == 3 and _losses(tmp_path / "planned") == no_ac_losses  # bitwise
 
-    assert len(losses("ref")) == 3 and losses("planned") == losses("ref")  # bitwise
+
+def test_a_budget_only_optimizer_offload_meets_offloads_it_and_trains_like_no_ac(extremes, no_ac_losses, tmp_path,
+                                                                                  capsys):
+    """Below what any plan of the blocks alone needs, the planner also offloads the optimizer state (its bytes
+    leave the estimate, its moves join the step); the run's losses stay bitwise no-AC's."""
+    _, least = extremes
+    cfg, plan = _plan(tmp_path, "--memory.budget_gib", "0.004", "--memory.plan_choices", "keep,op,full,offload")
+    with pytest.raises(ValueError) as e:
+        plan_budget(cfg, plan, flops=1e11)
+    blocks_only = float(str(e.value).split("needs is ")[1].split(" GiB")[0])
+    assert least < blocks_only  # the optimizer state's bytes, less the chunks it keeps in RAM
+    budget = f"{(least + blocks_only) / 2:.4f}"
+    argv = TINY + ["--job.dump_folder", str(tmp_path / "planned"), "--memory.budget_gib", budget,
+                   "--memory.offload_dir", str(tmp_path)]
+    resolved_cfg, resolved = resolve_budget(config_manager().parse_args(argv), 1)
+    assert resolved.offload_optimizer and resolved_cfg.memory.offload_optimizer
+    assert resolved.memory.peak <= float(budget) * 2**30 and resolved_cfg.memory.cpu_return_freed
+    assert main(argv) == 0
+    assert "optimizer state offloaded to files" in capsys.readouterr().out
+    assert _losses(tmp_path / "planned") == no_ac_losses  # bitwise
 
 
 @pytest.mark.parametrize("extra, says", [
@@ -149,6 +177,9 @@ def test_budget_between_extremes_mixes_choices_and_trains_like_no_ac(extremes, t
      "decides recomputation per block and cannot compose with --activation_checkpoint.mode full: set it to none"),
     (["--memory.block_choices", "offload", "--activation_checkpoint.mode", "memory_budget", "--compile.enable"],
      "cannot compose with --activation_checkpoint.mode memory_budget"),
+    (["--memory.offload_optimizer", "--checkpoint.enable"],
+     "--memory.offload_optimizer keeps the optimizer state in files between steps, which checkpointing does not"),
+    (["--memory.offload_optimizer", "--optimizer.name", "Muon"], "Muon (whole-matrix steps across ranks) cannot"),
 ])
 def test_bad_input_fails_in_one_line_before_any_rank(extra, says, tmp_path, capsys):
     """The launcher's pre-flight check (run before torchrun starts a rank) refuses with one line."""

@@ -257,3 +257,46 @@ def test_memory_headroom_drops_exactly_the_layouts_above_the_lowered_limit(capsy
     assert plan_main(cli + ["--memory-headroom", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--memory-headroom must be a fraction in [0, 1)" in err
+
+
+def test_a_memory_budget_plans_each_layout_per_block(tmp_path, capsys):
+    """--memory-budget-gib (the trainer's --memory.budget_gib): every layout kept stays within the budget,
+    each is also judged with the memory-budget planner's per-block mix of keep/op/full/offload, which lets a
+    layout fit where selective AC does not and run faster than full AC there; its recipe carries the budget
+    and the trainer's own planner meets it for that layout."""
+    s, args, budget = shape("8B"), (8, 8192, 16), 30 * 2**30
+    free = plan_layouts(s, H100, *args)
+    res = plan_layouts(s, H100, *args, budget_bytes=budget)
+    assert res.ranked and all(c.memory.peak <= budget for c in res.ranked)
+    assert res.dropped["does not fit memory"] > free.dropped["does not fit memory"]
+    planned = [c for c in res.ranked if c.layout.ac == "budget"]
+    assert planned and all(0 < len(c.layout.block_plan) <= 32 // c.layout.pp for c in planned)
+    wins = []
+    for c in planned:
+        uniform = dataclasses.replace(c.layout, ac="op", budget_gib=0.0, block_plan=())
+        try:
+            evaluate(s, uniform, H100, *args, budget_bytes=budget)
+        except MemoryError:  # selective AC does not fit this layout: is the plan faster than full AC?
+            full = evaluate(s, dataclasses.replace(uniform, ac="full"), H100, *args, budget_bytes=budget)
+            wins.append(c.time.total < full.time.total)
+    assert wins and all(wins)
+    best = planned[0].layout
+    recipe = tmp_path / "plan.toml"
+    recipe.write_text('[model]\nflavor = "8B"\n\n' + best.toml(*args[1:]))
+    cfg = config_manager().parse_args(["--job.config_file", str(recipe)])
+    assert cfg.memory.budget_gib == 30 and cfg.activation_checkpoint.mode == "none"
+    from torchtitan.planning.memory_budget import plan_budget
+
+    trainer = plan_budget(cfg, plan_job(cfg, 8, SimpleNamespace(vocab_size=128256)), flops=H100.bf16_flops,
+                          on_gpu=True)
+    assert trainer.memory.peak <= budget
+    cli = ["--flavor", "8B", "--devices", "8", "--seq-len", "8192", "--global-batch-size", "16", "--top", "1"]
+    assert plan_main(cli + ["--memory.budget_gib", "30"]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(res.ranked)} layouts fit within a budget of 30 GiB per rank" in out
+    assert res.ranked[0].layout.describe() in out
+    assert plan_main(cli + ["--memory-budget-gib", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--memory-budget-gib -1 must be 0 (no budget) or a positive number" in err
+    assert plan_main(cli + ["--memory-budget-gib", "1"]) == 1  # below the parameters of every layout
+    assert "raise --memory-budget-gib" in capsys.readouterr().err

@@ -43,10 +43,15 @@ class OptimizersContainer:
             raise ValueError(f"{len(model_parts)} model parts but {len(optimizers)} optimizers")
         self.model_parts = model_parts
         self.optimizers = optimizers
+        self.state_offload: list | None = None
+        """--memory.offload_optimizer: one OffloadedOptimizerState per optimizer (components/optimizer_offload)."""
 
     def step(self) -> None:
-        for optimizer in self.optimizers:
-            optimizer.step()
+        for i, optimizer in enumerate(self.optimizers):
+            if self.state_offload is not None:  # streams the state from files, one block's parameters at a time
+                self.state_offload[i].step(optimizer)
+            else:
+                optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for optimizer in self.optimizers:

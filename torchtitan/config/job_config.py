@@ -450,8 +450,9 @@ class Memory:
     (selective AC, op policy), full (full AC) or offload (saved activations to --memory.offload_dir on CPU,
     to pinned host memory on CUDA). Empty = --activation_checkpoint decides, or the budget's planner."""
 
-    plan_choices: list[str] = field(default_factory=lambda: ["keep", "op", "full", "offload"])
-    """The choices the budget's planner may use per block (e.g. keep,op,full: no offload)."""
+    plan_choices: list[str] = field(default_factory=lambda: ["keep", "op", "full", "offload", "optimizer"])
+    """The choices the budget's planner may use per block (e.g. keep,op,full: no offload), and "optimizer":
+    it may offload the optimizer state (--memory.offload_optimizer; CPU runs without checkpointing)."""
 
     offload_prefetch: bool = True
     """Offload: write a block's group while the next block runs forward and read the next group back while
@@ -466,6 +467,19 @@ class Memory:
     """Bandwidth (GB/s, each way) of the offload tier the planner prices offload with; 0 = the stated default
     (CPU files: OFFLOAD_BANDWIDTH_CPU; CUDA pinned host: OFFLOAD_BANDWIDTH_CUDA in planning/memory_budget.py).
     scripts/bench_memory_budget.py measures this machine's."""
+
+    cpu_return_freed: bool = False
+    """CPU runs: glibc unmaps every freed block of 128 KiB or more (a fixed mmap threshold instead of its
+    dynamic one, which keeps freed blocks of up to 32 MiB in a heap that never shrinks), so the process's
+    resident memory follows its live tensors (tools/cpu_malloc.py). The budget's planner sets it on CPU.
+    --training.cpu_keep_freed_memory wins over it."""
+
+    offload_optimizer: bool = False
+    """CPU: keep the optimizer state in files in --memory.offload_dir between steps and stream it through RAM
+    one block's parameters at a time in each step (components/optimizer_offload.py; bitwise the same
+    training). The budget's planner sets it when parameters + optimizer state break the budget and it is in
+    --memory.plan_choices as "optimizer". Not with checkpointing or Muon; on CUDA use
+    --training.enable_cpu_offload."""
 
 
 @dataclass

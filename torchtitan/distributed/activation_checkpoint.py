@@ -144,11 +144,11 @@ def check_block_choices(mem: MemoryConfig, ac: ACConfig, n_blocks: int) -> None:
     if per_block and ac.mode != "none":
         raise ValueError(f"{per_block} decides recomputation per block and cannot compose with "
                          f"--activation_checkpoint.mode {ac.mode}: set it to none")
-    for option in ("block_choices", "plan_choices"):
-        unknown = [c for c in getattr(mem, option) if c not in BLOCK_CHOICES]
+    for option, known in (("block_choices", BLOCK_CHOICES), ("plan_choices", (*BLOCK_CHOICES, "optimizer"))):
+        unknown = [c for c in getattr(mem, option) if c not in known]
         if unknown:
-            raise ValueError(f"--memory.{option} {unknown[0]!r} is not a choice: use {', '.join(BLOCK_CHOICES)}")
-    if not mem.plan_choices:
+            raise ValueError(f"--memory.{option} {unknown[0]!r} is not a choice: use {', '.join(known)}")
+    if not set(mem.plan_choices) & set(BLOCK_CHOICES):
         raise ValueError(f"--memory.plan_choices is empty: give some of {', '.join(BLOCK_CHOICES)}")
     if len(mem.block_choices) not in (0, 1, n_blocks):
         raise ValueError(f"--memory.block_choices has {len(mem.block_choices)} entries for a model of {n_blocks} "

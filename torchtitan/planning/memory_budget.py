@@ -110,13 +110,14 @@ def brute_force(blocks: list[BlockCost], room: int, allowed: tuple[str, ...] = C
     return None if best is None else BlockPlan(best[1], best[0][1], best[0][0])
 
 
-def _dp(blocks: list[BlockCost], allowed: list[list[int]], room: int) -> tuple[tuple[str, ...], bool] | None:
+def _dp(blocks: list[BlockCost], allowed: list[list[int]], room: int,
+        max_units: int = MAX_UNITS) -> tuple[tuple[str, ...], bool] | None:
     weights = [b.bytes[c] for b, a in zip(blocks, allowed) for c in a]
     # Sums of multiples of the gcd fit the room exactly when they fit its largest multiple of the gcd.
     quantum = max(1, math.gcd(*weights))
-    exact = room // quantum <= MAX_UNITS
+    exact = room // quantum <= max_units
     if not exact:
-        quantum = -(-room // MAX_UNITS)
+        quantum = -(-room // max_units)
     units = room // quantum
     best = np.full(units + 1, np.inf)
     best[0] = 0.0
@@ -144,9 +145,10 @@ def _dp(blocks: list[BlockCost], allowed: list[list[int]], room: int) -> tuple[t
     return tuple(reversed(choices)), exact
 
 
-def solve(blocks: list[BlockCost], room: int, allowed: tuple[str, ...] = CHOICES) -> BlockPlan | None:
+def solve(blocks: list[BlockCost], room: int, allowed: tuple[str, ...] = CHOICES,
+          max_units: int = MAX_UNITS) -> BlockPlan | None:
     """The plan with the least added seconds whose activation bytes are <= `room` (None: nothing fits),
-    using only the `allowed` choices."""
+    using only the `allowed` choices (`max_units`: the memory axis's largest size, see the module docstring)."""
     best: BlockPlan | None = None
     ok = [CHOICES.index(c) for c in allowed]
     for largest in sorted({t for b in blocks for c, t in enumerate(b.transient) if c in ok}):
@@ -156,7 +158,7 @@ def solve(blocks: list[BlockCost], room: int, allowed: tuple[str, ...] = CHOICES
         options = [[c for c in ok if b.transient[c] <= largest] for b in blocks]
         if not all(options):
             continue
-        found = _dp(blocks, options, cap)
+        found = _dp(blocks, options, cap, max_units)
         if found is None:
             continue
         choices, exact = found
@@ -196,6 +198,9 @@ class BudgetPlan:
     """Offload tier bytes/s used."""
     prefetch: bool = True
     """Offload with prefetch (--memory.offload_prefetch)."""
+    offload_optimizer: bool = False
+    """The optimizer state is offloaded (--memory.offload_optimizer)."""
+    on_gpu: bool = False
 
     def summary(self) -> str:
         runs, prev = [], None
@@ -208,9 +213,10 @@ class BudgetPlan:
         blocks = ", ".join(f"{a}-{b} {c}" if a != b else f"{a} {c}" for a, b, c in runs)
         note = "" if self.plan.exact else " (memory axis coarsened: see planning/memory_budget.py)"
         return (f"memory plan for a budget of {self.budget_bytes / 2**30:.2f} GiB per rank: blocks {blocks}"
-                + ("" if self.prefetch else " (offload without prefetch)") +
+                + ("" if self.prefetch else " (offload without prefetch)")
+                + ("; optimizer state offloaded to files" if self.offload_optimizer else "") +
                 f"; predicted peak {self.memory.peak / 2**30:.2f} GiB, predicted step {self.step_seconds:.3f} s "
-                f"({self.base_seconds:.3f} s without recompute or offload, +{self.plan.seconds:.3f} s){note}")
+                f"({self.base_seconds:.3f} s without recompute or offload, +{self.step_seconds - self.base_seconds:.3f} s){note}")
 
 
 def _rank_state_bytes(model: torch.nn.Module, pd, optimizer: str) -> StateBytes:
@@ -289,13 +295,23 @@ class _Inputs:
     flops: float
     """Achieved FLOP/s (peak x mfu)."""
     bandwidth: float
+    offloaded: StateBytes | None = None
+    """The state bytes with the optimizer state offloaded (RESIDENT_CHUNKS chunks in RAM), or None when the
+    job cannot offload it (not in --memory.plan_choices, CUDA, checkpointing, Muon)."""
+    optimizer_seconds: float = 0.0
+    """What offloading the optimizer state adds to a step: its bytes written and read back once."""
 
     def costs(self, seq_len: int, prefetch: bool):
         return block_costs(self.shape, self.work, seq_len, self.microbatches, self.flops, self.bandwidth, prefetch)
 
+    def states(self) -> list[tuple[StateBytes, bool]]:
+        """(state bytes, optimizer offloaded) for each way the optimizer state may be kept."""
+        return [(self.state, False)] + ([(self.offloaded, True)] if self.offloaded is not None else [])
+
     def least_peak(self, seq_len: int, allowed: tuple[str, ...]) -> int:
+        allowed = tuple(c for c in allowed if c in CHOICES)  # "optimizer" is self.offloaded
         least = min(least_bytes(self.costs(seq_len, pre)[0], allowed) for pre in (True, False))
-        return _peak(self.shape, self.state, self.work, least).peak
+        return min(_peak(self.shape, state, self.work, least).peak for state, _ in self.states())
 
 
 def _inputs(cfg, plan, flops: float | None, on_gpu: bool | None, mfu: float) -> _Inputs:
@@ -316,7 +332,19 @@ def _inputs(cfg, plan, flops: float | None, on_gpu: bool | None, mfu: float) -> 
     microbatches = plan.grad_accum * (cfg.training.local_batch_size // cfg.parallelism.pipeline_parallel_microbatch_size
                                       if pd.pp > 1 else 1)
     gbps = cfg.memory.offload_bandwidth_gbps or (OFFLOAD_BANDWIDTH_CUDA if on_gpu else OFFLOAD_BANDWIDTH_CPU)
-    return _Inputs(shape, state, work, microbatches, flops * mfu, gbps * 1e9)
+    offloaded, optimizer_seconds = None, 0.0
+    if ("optimizer" in cfg.memory.plan_choices and not on_gpu and not cfg.checkpoint.enable
+            and cfg.optimizer.name in ("AdamW", "Adam") and state.optimizer):
+        from torchtitan.components.optimizer_offload import RESIDENT_CHUNKS, parameter_chunks
+
+        # The share of the optimizer state of the RESIDENT_CHUNKS consecutive chunks (blocks and top-level
+        # modules, in the order they step) that weigh the most: those are in RAM together.
+        sizes = [sum(p.numel() * p.element_size() for p in c) for c in parameter_chunks(plan.model)]
+        window = max(sum(sizes[i: i + RESIDENT_CHUNKS]) for i in range(max(1, len(sizes) - RESIDENT_CHUNKS + 1)))
+        resident = min(state.optimizer, int(state.optimizer * window / sum(sizes)))
+        offloaded = dataclasses.replace(state, optimizer=resident)
+        optimizer_seconds = 2 * state.optimizer / (gbps * 1e9)
+    return _Inputs(shape, state, work, microbatches, flops * mfu, gbps * 1e9, offloaded, optimizer_seconds)
 
 
 def least_budget(cfg, plan, *, flops: float | None = None, on_gpu: bool | None = None,
@@ -339,15 +367,22 @@ def plan_budget(cfg, plan, *, flops: float | None = None, on_gpu: bool | None = 
         raise ValueError(f"--memory.budget_gib {mem.budget_gib} is below this rank's own parameters "
                          f"({x.state.params / 2**30:.4f} GiB): raise it or shard the model over more ranks "
                          f"(FSDP/TP/PP)")
-    allowed = tuple(mem.plan_choices)
-    room = activation_room(x.shape, x.state, x.work, budget)
-    found, prefetch = None, True
-    for pre in (True, False):  # offload with prefetch (moves hidden, two groups in RAM) or without (one)
-        costs, forward, output = x.costs(cfg.training.seq_len, pre)
-        candidate = solve(costs, room, allowed) if room >= 0 else None
-        if candidate is not None and (found is None or (candidate.seconds, candidate.activation_bytes)
-                                      < (found.seconds, found.activation_bytes)):
-            found, prefetch = candidate, pre
+    allowed = tuple(c for c in mem.plan_choices if c in CHOICES)
+    found, prefetch, best = None, True, None
+    # Optimizer state kept or offloaded (when allowed); offload with prefetch (moves hidden, two groups in
+    # RAM) or without (one): the plan with the least added seconds of all.
+    for state, optimizer_offloaded in x.states():
+        room = activation_room(x.shape, state, x.work, budget)
+        extra = x.optimizer_seconds if optimizer_offloaded else 0.0
+        for pre in (True, False):
+            costs, forward, output = x.costs(cfg.training.seq_len, pre)
+            candidate = solve(costs, room, allowed) if room >= 0 else None
+            if candidate is None:
+                continue
+            key = (candidate.seconds + extra, candidate.activation_bytes)
+            if best is None or key < best[0]:
+                best = (key, state, optimizer_offloaded)
+                found, prefetch = candidate, pre
     if found is None:
         least = x.least_peak(cfg.training.seq_len, allowed)
         raise ValueError(f"--memory.budget_gib {mem.budget_gib} cannot be met: the least any plan of "
@@ -357,8 +392,10 @@ def plan_budget(cfg, plan, *, flops: float | None = None, on_gpu: bool | None = 
     pd = plan.parallel_dims
     choices = tuple(list(found.choices) * pd.pp)[: len(plan.model.layers)]
     base = 3 * x.microbatches * (x.work.blocks * forward + output)
-    return BudgetPlan(budget, found, choices, _peak(x.shape, x.state, x.work, found.activation_bytes),
-                      base + found.seconds, base, x.bandwidth, prefetch or "offload" not in found.choices)
+    (seconds, _), state, optimizer_offloaded = best
+    return BudgetPlan(budget, found, choices, _peak(x.shape, state, x.work, found.activation_bytes),
+                      base + seconds, base, x.bandwidth, prefetch or "offload" not in found.choices,
+                      optimizer_offloaded, x.work.on_gpu)
 
 
 def resolve_budget(cfg, world_size: int):
@@ -371,6 +408,8 @@ def resolve_budget(cfg, world_size: int):
     if not cfg.memory.budget_gib:
         return cfg, None
     budget = plan_budget(cfg, plan_job(cfg, world_size))
+    # On CPU the budget bounds resident memory, so glibc must return what is freed (tools/cpu_malloc.py).
     memory = dataclasses.replace(cfg.memory, budget_gib=0.0, block_choices=list(budget.choices),
-                                 offload_prefetch=budget.prefetch)
+                                 offload_prefetch=budget.prefetch, offload_optimizer=budget.offload_optimizer,
+                                 cpu_return_freed=cfg.memory.cpu_return_freed or not budget.on_gpu)
     return dataclasses.replace(cfg, memory=memory), budget

@@ -25,6 +25,13 @@ from torchtitan.planning.memory import (
     pp_recv_buffer_count,
     split_backward_pending_weight,
 )
+from torchtitan.planning.memory_budget import (
+    OFFLOAD_BANDWIDTH_CUDA,
+    BlockPlan,
+    activation_room,
+    block_costs,
+    solve,
+)
 from torchtitan.planning.schedule_order import bubble_fraction
 from torchtitan.planning.step_time import (
     ASYNC_TP_HIDDEN,
@@ -37,6 +44,12 @@ from torchtitan.planning.step_time import (
 )
 
 AC_MODES = ("none", "op", "full")
+BUDGET_AC = "budget"
+"""The AC "mode" of a layout judged under --memory-budget-gib: keep, op, full or offload chosen per block by the
+memory-budget planner (planning/memory_budget.py), the fastest mix whose peak stays within the budget."""
+BUDGET_MAX_UNITS = 4096
+"""Memory axis of the per-block search inside the layout planner (it runs once per layout; bytes are rounded
+up to 1/4096 of the room, so a plan stays within the budget and may miss one at its very edge)."""
 MODEL_PARALLEL = ("tp", "pp", "cp")
 SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 """The schedules the planner weighs. GPipe and LoopedBFS have 1F1B's and Interleaved1F1B's bubbles with all
@@ -105,10 +118,17 @@ class Layout:
     """parallelism.context_parallel_method; `evaluate` picks the fastest that can run (planning/cp_comm.py)."""
     cp_a2a_degree: int = 0
     """parallelism.context_parallel_a2a_degree (hierarchical CP)."""
+    budget_gib: float = 0.0
+    """ac == "budget": the per-rank budget (--memory.budget_gib) the recipe passes on."""
+    block_plan: tuple[str, ...] = ()
+    """ac == "budget": the choice per block of the first pipeline rank, as `evaluate` predicts it (the
+    trainer's own planner makes the plan again from the same formulas before its ranks start)."""
 
     def toml(self, seq_len: int, global_batch_size: int, features: Features = Features()) -> str:
-        ac = {"none": 'mode = "none"', "full": 'mode = "full"',
+        ac = {"none": 'mode = "none"', "full": 'mode = "full"', BUDGET_AC: 'mode = "none"',
               "op": 'mode = "selective"\nselective_ac_option = "op"'}[self.ac]
+        if self.ac == BUDGET_AC:  # the trainer plans the blocks for this budget again, before its ranks start
+            ac += f"\n\n[memory]\nbudget_gib = {self.budget_gib:g}"
         lines = [
             "[training]", f"seq_len = {seq_len}", f"local_batch_size = {self.local_batch_size}",
             f"global_batch_size = {global_batch_size}", "mixed_precision_param = \"bfloat16\"", "",
@@ -140,7 +160,10 @@ class Layout:
         s = " x ".join(parts) or "1 rank"
         if self.cp > 1 and self.cp_method != "ring":
             s += f" (cp {self.cp_method}" + (f", a2a {self.cp_a2a_degree})" if self.cp_a2a_degree else ")")
-        s += f", AC {'selective op' if self.ac == 'op' else self.ac}"
+        if self.ac == BUDGET_AC:
+            s += f", per block for the {self.budget_gib:g} GiB budget: {block_runs(self.block_plan)}"
+        else:
+            s += f", AC {'selective op' if self.ac == 'op' else self.ac}"
         if self.pp > 1:
             s += f", {self.schedule} {self.local_batch_size // self.microbatch_size} microbatches of {self.microbatch_size}"
             if self.layers_per_stage is not None:
@@ -205,15 +228,48 @@ def flops_per_token(shape: ModelShape, seq_len: int) -> float:
 
 
 def _ac_factor(ac: str) -> float:
-    return {"none": 1.0, "op": 1.0, "full": 4 / 3}[ac]
+    """Compute of a step relative to no AC (a budget's per-block plan adds its own seconds: _budget_plan)."""
+    return {"none": 1.0, "op": 1.0, "full": 4 / 3, BUDGET_AC: 1.0}[ac]
+
+
+def block_runs(choices: tuple[str, ...]) -> str:
+    """("full", "full", "op") -> "0-1 full, 2 op"."""
+    runs: list[list] = []
+    for i, c in enumerate(choices):
+        if runs and runs[-1][2] == c:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i, c])
+    return ", ".join(f"{a}-{b} {c}" if a != b else f"{a} {c}" for a, b, c in runs)
+
+
+def _budget_plan(shape: ModelShape, state: StateBytes, work: RankWork, limit: float, seq_len: int,
+                 microbatches: int, flops: float, bandwidth: float) -> tuple[MemoryEstimate, BlockPlan]:
+    """The fastest per-block plan of keep/op/full/offload whose estimated peak is within `limit` (the memory
+    budget planner's own formulas and search, planning/memory_budget.py); MemoryError when none is."""
+    room = activation_room(shape, state, work, int(limit))
+    best: BlockPlan | None = None
+    for prefetch in (True, False):
+        costs, _, _ = block_costs(shape, work, seq_len, microbatches, flops, bandwidth, prefetch)
+        found = solve(costs, room, max_units=BUDGET_MAX_UNITS) if room >= 0 else None
+        if found is not None and (best is None or (found.seconds, found.activation_bytes)
+                                  < (best.seconds, best.activation_bytes)):
+            best = found
+    if best is None:
+        raise MemoryError(f"no per-block plan within {limit / 2**30:.1f} GiB")
+    return estimate_memory(shape, state, dataclasses.replace(work, block_activation_bytes=best.activation_bytes)), best
 
 
 def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, seq_len: int,
              global_batch_size: int, mfu: float = DEFAULT_MFU, network: Network = FLAT_NETWORK,
-             features: Features = Features(), memory_headroom: float = 0.0) -> Candidate:
+             features: Features = Features(), memory_headroom: float = 0.0, budget_bytes: float = 0.0,
+             offload_bandwidth: float = OFFLOAD_BANDWIDTH_CUDA * 1e9) -> Candidate:
     """Memory and step time of one layout; raises LayoutError when the layout cannot run and MemoryError
-    when its estimated peak exceeds the device's memory less `memory_headroom` (a fraction kept free)."""
+    when its estimated peak exceeds the device's memory less `memory_headroom` (a fraction kept free), or
+    `budget_bytes` (--memory-budget-gib) when that is lower. Layout.ac == "budget": the blocks' choices are
+    the memory-budget planner's for this rank (offload priced at `offload_bandwidth` bytes/s)."""
     L = layout
+    ac = "none" if L.ac == BUDGET_AC else L.ac  # a budget's plan sets the blocks' bytes itself (_budget_plan)
     pd = ParallelDims(L.dp_replicate, L.dp_shard, L.cp, L.tp, L.pp, devices)
     head_dim = (shape.q_dim or shape.dim) // shape.n_heads
     pd.check_model({"tp": {"n_heads": shape.n_heads, "n_kv_heads": shape.kv_dim // head_dim,
@@ -231,7 +287,7 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
         # Memory is judged on the first rank (most microbatches in flight), the last (the output and loss)
         # and the one with the most block activations in flight (rank 1 when rank 0's first stage is only
         # the embedding).
-        pending = split_backward_pending_weight(shape, L.ac, L.tp)
+        pending = split_backward_pending_weight(shape, ac, L.tp)
 
         def in_flight_blocks(r: int) -> float:
             blocks = sum(n.startswith("layers.") for st in all_ranks[r] for n in st)
@@ -248,8 +304,14 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
     # more than a block, the embedding nothing).
     module_fpt = module_cost_per_token(shape, seq_len, features)
     busiest_fpt = max(sum(module_fpt[n] for st in stages for n in st) for stages in all_ranks.values())
+    rank_tokens = (L.microbatch_size if L.pp > 1 else L.local_batch_size) * seq_len / L.cp
+    speed = mfu * min(1.0, rank_tokens / FULL_SPEED_TOKENS)
+    limit = memory_limit(device, memory_headroom)
+    if budget_bytes:
+        limit = min(limit, budget_bytes)
     # Memory of the heaviest pipeline rank.
     worst: MemoryEstimate | None = None
+    rank_plans: dict[int, BlockPlan] = {}
     stage_params_max = 0
     for r, stages in per_rank_stages.items():
         names = [n for s in stages for n in s]
@@ -262,7 +324,7 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
             blocks=sum(n.startswith("layers.") for n in names),
             holds_embedding="tok_embeddings" in names, holds_output="output" in names,
             in_flight=in_flight_microbatches(L.schedule, n_mb, L.pp, r, len(stages), pending) if L.pp > 1 else 1,
-            grads_live=n_mb > 1, tp=L.tp, cp=L.cp, fsdp=fsdp, ac=L.ac, act_bytes=ACT_BYTES,
+            grads_live=n_mb > 1, tp=L.tp, cp=L.cp, fsdp=fsdp, ac=ac, act_bytes=ACT_BYTES,
             gathered_param_bytes=1 if features.float8_all_gather else ACT_BYTES, on_gpu=True,
             unsharded_grad_params=int(stage_params / L.tp) if fsdp > 1 and n_mb > 1 else 0,
             params_stay_gathered=L.pp > 1,
@@ -270,18 +332,23 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
             if L.pp > 1 else 0,
         )
         est = estimate_memory(shape, state, work)
+        if L.ac == BUDGET_AC:
+            est, rank_plans[r] = _budget_plan(shape, state, work, limit, seq_len, n_mb, device.bf16_flops * speed,
+                                              offload_bandwidth)
         if worst is None or est.peak > worst.peak:
             worst = est
-    limit = memory_limit(device, memory_headroom)
     if worst.peak > limit:
         raise MemoryError(f"{worst.peak / 2**30:.1f} GiB > {limit / 2**30:.0f} GiB{headroom_note(memory_headroom)}")
+    added = 0.0  # seconds a budget's per-block plan adds: the pipeline runs at its slowest rank's pace
+    if rank_plans:
+        added = max(p.seconds for p in rank_plans.values())
+        layout = L = dataclasses.replace(L, budget_gib=budget_bytes / 2**30, block_plan=rank_plans[0].choices)
 
     # ---- step time ---------------------------------------------------------------------------------------
     per_replica_tokens = global_batch_size // pd.dp * seq_len
     fpt = flops_per_token(shape, seq_len)
-    rank_tokens = (L.microbatch_size if L.pp > 1 else L.local_batch_size) * seq_len / L.cp
-    speed = mfu * min(1.0, rank_tokens / FULL_SPEED_TOKENS)
     compute = per_replica_tokens * busiest_fpt * _ac_factor(L.ac) / (L.tp * L.cp) / (device.bf16_flops * speed)
+    compute += added  # recomputation and offload moves of a budget's plan
     blocks_per_rank = math.ceil(shape.n_layers / L.pp)
     exposed: dict[str, float] = {}
     # FSDP / HSDP. Gradients are reduced once, after the last microbatch (the trainer turns gradient sync off
@@ -327,7 +394,9 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
         per = collective_time(device, L.tp, full, L.tp, network)
         # 2 all-gathers + 2 reduce-scatters in forward, as many in backward; recomputation repeats the
         # forward's 4 under full AC and, under op AC, the 2 all-gathers (only reduce-scatter outputs are saved).
-        count = 8 + {"none": 0, "op": 2, "full": 4}[L.ac]
+        repeats = {"none": 0, "op": 2, "full": 4}
+        count = 8 + (sum(repeats.get(c, 0) for c in L.block_plan) / len(L.block_plan) if L.ac == BUDGET_AC
+                     else repeats[L.ac])
         comm = count * per
         if features.float8:  # the forward's all-gathers (and their recomputation) carry float8
             forward_gathers = 2 + (2 if L.ac in ("op", "full") else 0)
@@ -369,9 +438,11 @@ for the 128K stage) does not use it."""
 
 
 def enumerate_layouts(shape: ModelShape, devices: int, seq_len: int, global_batch_size: int, gpus_per_node: int,
-                      cp_min_seq_len: int = CP_MIN_SEQ_LEN):
+                      cp_min_seq_len: int = CP_MIN_SEQ_LEN, budget: bool = False):
     """Every layout of `devices` ranks worth judging: tp within a node, powers of two for cp and pp,
-    FSDP or HSDP over what is left, each AC mode, each batch split."""
+    FSDP or HSDP over what is left, each AC mode (and, with a memory budget, a per-block plan), each batch
+    split."""
+    ac_modes = (*AC_MODES, BUDGET_AC) if budget else AC_MODES
     cps = (1, 2, 4, 8, 16, 32) if seq_len >= cp_min_seq_len else (1,)
     for tp in (t for t in _divisors(gpus_per_node) if devices % t == 0):
         for cp in (c for c in cps if devices % (tp * c) == 0):
@@ -384,7 +455,7 @@ def enumerate_layouts(shape: ModelShape, devices: int, seq_len: int, global_batc
                     dp_replicate = dp // dp_shard
                     if dp_replicate > 1 and dp_shard * cp * tp < gpus_per_node:
                         continue  # HSDP replicates across nodes; a shard group smaller than a node is not worth it
-                    for ac in AC_MODES:
+                    for ac in ac_modes:
                         if pp == 1:
                             for lbs in _divisors(per_replica):
                                 yield Layout(dp_replicate, dp_shard, cp, tp, pp, ac, lbs, 1, "", per_replica // lbs)
@@ -423,20 +494,27 @@ def _check_model_parallel(names: frozenset[str]) -> None:
 def plan_layouts(shape: ModelShape, device: Device, devices: int, seq_len: int, global_batch_size: int,
                  mfu: float = DEFAULT_MFU, cp_min_seq_len: int = CP_MIN_SEQ_LEN,
                  network: Network = FLAT_NETWORK, features: Features = Features(),
-                 model_parallel: frozenset[str] | None = None, memory_headroom: float = 0.0) -> PlanResult:
+                 model_parallel: frozenset[str] | None = None, memory_headroom: float = 0.0,
+                 budget_bytes: float = 0.0, offload_bandwidth: float = OFFLOAD_BANDWIDTH_CUDA * 1e9) -> PlanResult:
     """Every layout enumerate_layouts yields, judged and ranked. `model_parallel` keeps only the layouts that
     use exactly these model-parallel dimensions (a subset of MODEL_PARALLEL; data parallel takes the rest);
-    None keeps all. `memory_headroom`: the fraction of the device's memory a layout must leave free."""
+    None keeps all. `memory_headroom`: the fraction of the device's memory a layout must leave free.
+    `budget_bytes` (--memory-budget-gib, 0 = none): a per-rank peak every layout must stay within, and each
+    layout is also judged with the memory-budget planner's per-block plan of keep/op/full/offload."""
     if model_parallel is not None:
         _check_model_parallel(model_parallel)
     memory_limit(device, memory_headroom)  # a bad fraction fails here, not as "nothing fits"
     ranked, dropped = [], {"does not divide / invalid pipeline": 0, "does not fit memory": 0}
-    for layout in enumerate_layouts(shape, devices, seq_len, global_batch_size, device.gpus_per_node, cp_min_seq_len):
+    if budget_bytes < 0:
+        raise ValueError(f"--memory-budget-gib {budget_bytes / 2**30:g} must be 0 (no budget) or a positive number "
+                         f"of GiB")
+    for layout in enumerate_layouts(shape, devices, seq_len, global_batch_size, device.gpus_per_node, cp_min_seq_len,
+                                    budget=budget_bytes > 0):
         if model_parallel is not None and layout.model_parallel != model_parallel:
             continue
         try:
             ranked.append(evaluate(shape, layout, device, devices, seq_len, global_batch_size, mfu, network,
-                                   features, memory_headroom))
+                                   features, memory_headroom, budget_bytes, offload_bandwidth))
         except LayoutError:
             dropped["does not divide / invalid pipeline"] += 1
         except MemoryError:
@@ -448,7 +526,7 @@ def plan_layouts(shape: ModelShape, device: Device, devices: int, seq_len: int, 
 
 
 def _complexity(L: Layout) -> tuple:
-    return (sum(x > 1 for x in (L.dp_replicate, L.cp, L.tp, L.pp)), AC_MODES.index(L.ac), -L.local_batch_size)
+    return (sum(x > 1 for x in (L.dp_replicate, L.cp, L.tp, L.pp)), (*AC_MODES, BUDGET_AC).index(L.ac), -L.local_batch_size)
 
 
 def explain(c: Candidate, seq_len: int, global_batch_size: int, device: Device) -> str:

@@ -15,6 +15,13 @@ one is page-faulted in again, 4 KiB at a time. Two remedies:
   (`choose_at_start`): on machines without CUDA, where the kernel offers transparent huge pages, unless the
   environment already says otherwise. `--training.cpu_huge_pages false` restarts the process once without it
   (`respect_option`). GPU runs are untouched.
+- **Returning every freed block (`memory.cpu_return_freed`, set by a memory budget).** glibc's mmap
+  threshold is dynamic: each freed mmapped block raises it to that block's size (up to 32 MiB), after which
+  blocks of that size come from the heap, whose freed middle is never returned: the process's resident memory
+  then exceeds its live tensors (full AC at 16 thin blocks: 1.18 GiB against 0.67 GiB with the threshold
+  fixed; docs/memory_budget.md). Fixing the threshold at its initial 128 KiB (`return_freed_memory`) turns the
+  dynamic rule off, so every block above it is unmapped when freed and resident memory follows what the budget
+  planner counts (at the price of faulting each such block in afresh).
 - **Keeping freed memory (opt-in, `training.cpu_keep_freed_memory`).** With mmap off (M_MMAP_MAX 0) large
   blocks come from the heap, and with the trim threshold at its maximum the freed heap is kept for the next
   step: the fastest (no faults after the first step, as the CUDA caching allocator), but the kept heap
@@ -37,8 +44,10 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 _M_TRIM_THRESHOLD = -1  # <malloc.h>
+_M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
 _applied = False
+_returning = False
 
 
 def kernel_thp_mode() -> str | None:
@@ -92,6 +101,8 @@ def huge_pages_active() -> bool:
 def describe() -> str:
     """The CPU allocator setting in effect, for the log."""
     kept = "; glibc keeps large freed blocks (--training.cpu_keep_freed_memory)" if _applied else ""
+    if _returning:
+        kept += "; glibc unmaps every freed block of 128 KiB or more (--memory.cpu_return_freed)"
     if huge_pages_active():
         return f"tensors of 2 MiB or more on transparent huge pages (--training.cpu_huge_pages){kept}"
     why = {
@@ -99,6 +110,22 @@ def describe() -> str:
         "never": "the kernel's transparent huge pages are off",
     }.get(kernel_thp_mode(), f"{HUGE_PAGES_ENV}={os.environ.get(HUGE_PAGES_ENV, 'unset')} at the first CPU tensor")
     return f"glibc malloc as it starts, no huge pages ({why}){kept}"
+
+
+_GLIBC_MMAP_THRESHOLD = 128 * 2**10  # glibc's initial mmap threshold, before its dynamic raising
+
+
+def return_freed_memory(threshold: int = _GLIBC_MMAP_THRESHOLD) -> bool:
+    """Fix glibc's mmap threshold at `threshold` bytes (its initial value; fixing it turns the dynamic raising
+    off): every block that large is mmapped and unmapped when freed. True if it took effect, False where the C
+    library is not glibc."""
+    global _returning
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        _returning = libc.mallopt(_M_MMAP_THRESHOLD, threshold) == 1
+    except (OSError, AttributeError):
+        return False
+    return _returning
 
 
 def keep_freed_memory() -> bool:
