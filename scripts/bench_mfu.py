@@ -85,11 +85,14 @@ def breakdown(step, name: str = "") -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--dim", type=int, default=2048, help="model width (heads of 128); smaller only to try the script")
+    p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--run-steps", type=int, default=None,
                    help="the run length compile.auto judges (default: the trainer's default training.steps)")
+    p.add_argument("--no-breakdown", action="store_true", help="skip the profiled step per variant (shorter run)")
     p.add_argument("--tuned", action="store_true",
                    help="last, the compiled defaults with glibc keeping freed memory (the fastest opt-in variant)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -119,7 +122,8 @@ def main() -> None:
     if a.malloc == "keep":
         cpu_malloc.keep_freed_memory()  # as --training.cpu_keep_freed_memory, for every variant
 
-    args = TransformerModelArgs(dim=2048, n_layers=a.layers, n_heads=16, n_kv_heads=8, vocab_size=128256,
+    args = TransformerModelArgs(dim=a.dim, n_layers=a.layers, n_heads=a.dim // 128, n_kv_heads=max(1, a.dim // 256),
+                                vocab_size=a.vocab,
                                 ffn_dim_multiplier=1.5, multiple_of=256, rope_theta=500000, max_seq_len=a.seq_len)
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -195,7 +199,10 @@ def main() -> None:
             step()
             if rep:
                 times[name].append(time.perf_counter() - t0)
-    kinds = {name: breakdown(step, name) for name, step in variants.items()}
+    def profiled(step, name: str) -> dict[str, float]:
+        return dict.fromkeys(KINDS, 0.0) if a.no_breakdown else breakdown(step, name)
+
+    kinds = {name: profiled(step, name) for name, step in variants.items()}
 
     def run_last(name: str, step) -> None:  # after the eager variants: it changes the shared model or heap
         variants[name], times[name] = step, []
@@ -204,7 +211,7 @@ def main() -> None:
             step()
             if rep:
                 times[name].append(time.perf_counter() - t0)
-        kinds[name] = breakdown(step, name)
+        kinds[name] = profiled(step, name)
 
     defaults_step = variants[list(variants)[-1]]
     if auto.enable and a.only != "before":
@@ -218,7 +225,7 @@ def main() -> None:
             run_last("framework, tuned (defaults + glibc keeps freed memory)", defaults_step)
     rss = _peak_rss_bytes()
 
-    print(f"Llama slice: dim 2048, {args.n_heads} heads, {args.n_kv_heads} kv heads, FFN {ffn}, vocab {args.vocab_size}, "
+    print(f"Llama slice: dim {a.dim}, {args.n_heads} heads, {args.n_kv_heads} kv heads, FFN {ffn}, vocab {args.vocab_size}, "
           f"{a.layers} layers, batch {a.batch} x seq {a.seq_len}, {a.dtype} parameters; {torch.get_num_threads()} threads, "
           f"{cpu_model_name()}, torch {torch.__version__}")
     print(f"compile.auto for a {cfg.training.steps}-step run of this shape: {auto.reason}")
@@ -228,7 +235,7 @@ def main() -> None:
     print("|---|---|---|---|" + "---|" * len(KINDS))
     for name in variants:
         med = statistics.median(times[name])
-        total = sum(kinds[name].values())
+        total = sum(kinds[name].values()) or 1.0
         shares = " | ".join(f"{100 * kinds[name][k] / total:.1f}" for k in KINDS)
         print(f"| {name} | {med:.2f} ({min(times[name]):.2f}-{max(times[name]):.2f}) | "
               f"{a.batch * a.seq_len / med:,.0f} | {100 * flops_per_step / med / peak:.1f}% | {shares} |")
