@@ -92,6 +92,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--run-steps", type=int, default=None,
                    help="the run length compile.auto judges (default: the trainer's default training.steps)")
+    p.add_argument("--skip-before", action="store_true", help="leave out the `before` variant (shorter run)")
     p.add_argument("--no-breakdown", action="store_true", help="skip the profiled step per variant (shorter run)")
     p.add_argument("--tuned", action="store_true",
                    help="last, the compiled defaults with glibc keeping freed memory (the fastest opt-in variant)")
@@ -189,6 +190,8 @@ def main() -> None:
         "bare PyTorch (same kernels)": bare,
         f"framework, eager defaults (auto: chunked loss {AUTO_CHUNK}, {kernel} AdamW)": framework(default_loss, auto_fused),
     }
+    if a.skip_before:
+        variants = {n: v for n, v in variants.items() if not n.startswith("framework, before ")}
     if a.only:  # one variant alone: its own peak RSS (alternating variants share one heap)
         keep = "framework, before " if a.only == "before" else "framework, eager defaults "
         variants = {n: v for n, v in variants.items() if n.startswith(keep)}
@@ -239,17 +242,21 @@ def main() -> None:
         shares = " | ".join(f"{100 * kinds[name][k] / total:.1f}" for k in KINDS)
         print(f"| {name} | {med:.2f} ({min(times[name]):.2f}-{max(times[name]):.2f}) | "
               f"{a.batch * a.seq_len / med:,.0f} | {100 * flops_per_step / med / peak:.1f}% | {shares} |")
-    for name in list(variants)[2:]:
+    for name in [n for n in variants if n.startswith("framework, ") and "before" not in n]:
         top = sorted(TOP_OPS.get(name, {}).items(), key=lambda kv: -kv[1])[:8]
         print(f"largest ops outside the matmuls, {name}: " + "; ".join(f"{op} {t:.2f} s" for op, t in top))
     if a.only:
         return
     med = {n: statistics.median(times[n]) for n in variants}
     names = list(variants)
-    before, bare_s, eager = (med[n] for n in names[:3])
-    defaults = med[names[3]] if len(names) > 3 else eager
-    line = (f"tokens/s ratios: framework before / bare {bare_s / before:.3f}x; defaults / bare {bare_s / defaults:.3f}x; "
-            f"defaults / before {before / defaults:.3f}x; defaults / eager defaults {eager / defaults:.3f}x")
+    bare_s = med["bare PyTorch (same kernels)"]
+    eager = next(med[n] for n in names if n.startswith("framework, eager defaults"))
+    compiled = [n for n in names if n.startswith("framework, defaults ")]
+    defaults = med[compiled[0]] if compiled else eager
+    line = f"tokens/s ratios: defaults / bare {bare_s / defaults:.3f}x; defaults / eager defaults {eager / defaults:.3f}x"
+    if not a.skip_before:
+        before = med[names[0]]
+        line += f"; framework before / bare {bare_s / before:.3f}x; defaults / before {before / defaults:.3f}x"
     best = min(med.values())
     print(line + f"; defaults / the fastest variant {best / defaults:.3f}x")
 
