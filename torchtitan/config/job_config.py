@@ -475,7 +475,7 @@ class Compile:
 
     auto: bool = True
     """When `enable` is off: compile the transformer blocks anyway if the run is long enough to repay the
-    compile (steps x ~12% of an estimated eager step > the compile's ~45 s cold / ~8 s with this job's kernels
+    compile (steps x ~4.5% of an estimated eager step > the compile's ~45 s cold / ~8 s with this job's kernels
     cached; distributed/compile_auto.py). Short runs (tests, debug recipes) and multi-process CPU runs stay
     eager. The log names the choice and its figures. false: compile only what `enable` asks."""
 

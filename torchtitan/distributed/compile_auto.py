@@ -1,7 +1,8 @@
 """`compile.auto`: compile the transformer blocks when the run is long enough to repay the compile.
 
 Regional compile (distributed/compile.py) fuses RMSNorm, RoPE and SwiGLU's elementwise ops into the blocks'
-kernels: measured 1.14x tokens/s at a 1B-shaped Llama slice and 1.09-1.15x at the debugmodel on CPU
+kernels: measured 1.045x tokens/s over the eager defaults at a 1B-shaped Llama slice (idle, 2026-12-03; 1.14x
+earlier with glibc keeping freed memory) and 1.09-1.15x at the debugmodel on CPU
 (docs/performance.md), i.e. it saves about GAIN of an eager step. It costs one compile at the first step: about
 COLD_COMPILE_S with an empty inductor cache, WARM_COMPILE_S when this job's shapes were compiled before on this
 machine (the FX graph cache then loads the kernels). A run of a few steps does not repay it, so it stays eager.
@@ -27,8 +28,9 @@ import torch
 
 from torchtitan.config.job_config import JobConfig
 
-GAIN = 0.12
-"""Share of an eager step regional compile saves: 1 - 1/1.14 (the 1B slice, CPU, bf16)."""
+GAIN = 0.045
+"""Share of an eager step regional compile saves: 1 - 1/1.045 ~ 0.043, the lowest gain measured (the 1B slice
+with the shipped defaults, CPU, bf16; docs/performance.md), so the rule errs towards eager."""
 
 COLD_COMPILE_S = {"cpu": 45.0, "cuda": 60.0}
 """One compile of the blocks with an empty cache: 33-39 s measured for the debugmodel on CPU (a larger block
@@ -87,7 +89,7 @@ def choose(cfg: JobConfig, *, step_flops: float, peak_flops: float | None, devic
         return CompileChoice(True, "Compile: on (--compile.enable)")
     off = "Compile: off (--compile.auto"
     if not cfg.compile.auto:
-        return CompileChoice(False, f"{off} false); regional compile saves ~{GAIN:.0%} of a step after a "
+        return CompileChoice(False, f"{off} false); regional compile saves ~{GAIN:.1%} of a step after a "
                                     f"{COLD_COMPILE_S.get(device_type, COLD_COMPILE_S['cuda']):.0f} s compile")
     if "model" not in cfg.compile.components:
         return CompileChoice(False, f"{off}: 'model' is not in --compile.components)")
@@ -102,7 +104,7 @@ def choose(cfg: JobConfig, *, step_flops: float, peak_flops: float | None, devic
     table = WARM_COMPILE_S if cached else COLD_COMPILE_S
     compile_s = table.get(device_type, table["cuda"])
     saved = cfg.training.steps * GAIN * step_s
-    figures = (f"{cfg.training.steps} steps x {GAIN:.2f} x ~{step_s:.3g} s a step (estimated: "
+    figures = (f"{cfg.training.steps} steps x {GAIN:.3g} x ~{step_s:.3g} s a step (estimated: "
                f"{step_flops / 1e12:.3g} TFLOP at {EAGER_MFU.get(device_type, EAGER_MFU['cuda']):.0%} of "
                f"{peak_flops / 1e12:.3g} TFLOP/s) = {saved:.0f} s saved vs ~{compile_s:.0f} s to compile "
                f"({'warm' if cached else 'cold'} cache)")
