@@ -1,6 +1,8 @@
-"""Attention kernels on CPU, forward + backward, per case the model meets: plain causal and document masking.
+"""Attention kernels on CPU, forward + backward, per case the model meets: plain causal, document masking,
+sliding window, sinks.
 
-    python scripts/bench_attention.py [--seqs 2048,8192] [--reps 2] [--dtype bfloat16]
+    python scripts/bench_attention.py [--seqs 2048,8192] [--cases causal,documents,window,sinks,window+sinks]
+        [--reps 2] [--dtype bfloat16] [--window 128]
 
 Shape: Llama 3.2 1B's attention (16 query heads, 8 kv heads, head dim 128), batch 1. Document masking:
 documents of 64-1024 tokens (seeded), as packed pretraining data has. Kernels (each exact: softmax over the
@@ -13,6 +15,11 @@ same visible keys; the table gives the largest difference of the output and of d
 - `sdpa, full mask`: documents only: one SDPA call with the whole [S, S] block-causal mask;
 - `sdpa math`: SDPA's reference (math) backend, seq 2048 only (its float32 [S, S] scores per head at 8192
   would be 4 GiB);
+- window / sinks / window+sinks (a sliding window of `--window` keys, GPT-OSS's 128; one learned sink logit
+  per head): `plain-torch blockwise (before)` = `attention.blockwise_attention`, the exact span loop in float32
+  plain torch, which the kernel ran for these kinds before; `cpu flash blocks` = the same spans through SDPA's
+  CPU flash kernel and its backward (`models/common/cpu_flash_blocks.py`, what the kernel picks now on CPU);
+  documents: `cpu flash blocks` too, as a candidate;
 - FlexAttention compiled on CPU is not a candidate: torch 2.13 has no CPU backward for it.
 Kernels alternate rep by rep after a warm-up call each; medians; GFLOP/s counts the visible (causal or
 block-causal) part of the score matrix only, 4 x S_visible x D per head forward and 2.5x that backward.
@@ -50,8 +57,14 @@ def repeated(k, v):
     return k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
 
 
-def kernels(doc_ids):
-    """name -> fn(q, k, v) for this case (doc_ids None: plain causal)."""
+def kernels(case: str, doc_ids, window: int, sinks):
+    """name -> fn(q, k, v) for this case (doc_ids None: no documents)."""
+    if case in ("window", "sinks", "window+sinks"):
+        w = window if "window" in case else None
+        s = sinks if "sinks" in case else None
+        return {"plain-torch blockwise, fp32 inside (before)": lambda q, k, v: attention.blockwise_attention(
+                    q, k, v, None, w, s),
+                "cpu flash blocks": lambda q, k, v: attention.cpu_flash_block_attention(q, k, v, None, w, s)}
     if doc_ids is None:
         def before(q, k, v):
             return F.scaled_dot_product_attention(q, *repeated(k, v), is_causal=True)
@@ -81,8 +94,11 @@ def kernels(doc_ids):
         with sdpa_kernel([SDPBackend.MATH]):
             return F.scaled_dot_product_attention(q, *repeated(k, v), attn_mask=mask)
 
+    def flash_blocks(q, k, v):
+        return attention.cpu_flash_block_attention(q, k, v, doc_ids)
+
     return {"blockwise sdpa, kv repeated (before)": blockwise_before, "blockwise sdpa, enable_gqa": blockwise_gqa,
-            "sdpa, full mask, enable_gqa": full_mask, "sdpa math": math}
+            "cpu flash blocks": flash_blocks, "sdpa, full mask, enable_gqa": full_mask, "sdpa math": math}
 
 
 def main() -> None:
@@ -90,6 +106,10 @@ def main() -> None:
     p.add_argument("--seqs", default="2048,8192")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--cases", default="causal,documents,window,sinks,window+sinks")
+    p.add_argument("--window", type=int, default=128)
+    p.add_argument("--skip-8192", default="",
+                   help="kernel names (comma-separated substrings) not run above 2048 tokens, to keep a run short")
     a = p.parse_args()
     dtype = getattr(torch, a.dtype)
     print(f"{HEADS} heads, {KV_HEADS} kv heads, head dim {HEAD_DIM}, batch 1, {a.dtype}, forward + backward; "
@@ -97,9 +117,11 @@ def main() -> None:
     print("| case | seq | kernel | fwd+bwd s (median) | GFLOP/s | vs before | max abs diff out / dq vs before |")
     print("|---|---|---|---|---|---|---|")
     for seq in map(int, a.seqs.split(",")):
-        for case in ("causal", "documents"):
+        for case in a.cases.split(","):
             doc_ids = documents(seq) if case == "documents" else None
-            if doc_ids is None:
+            if "window" in case:
+                visible = sum(min(i + 1, a.window) for i in range(seq))
+            elif doc_ids is None:
                 visible = seq * (seq + 1) / 2
             else:
                 counts = torch.bincount(doc_ids[0]).double()
@@ -110,12 +132,15 @@ def main() -> None:
             k = torch.randn(1, KV_HEADS, seq, HEAD_DIM, generator=g).to(dtype).requires_grad_()
             v = torch.randn(1, KV_HEADS, seq, HEAD_DIM, generator=g).to(dtype).requires_grad_()
             dout = torch.randn(1, HEADS, seq, HEAD_DIM, generator=g).to(dtype)
-            fns = {n: f for n, f in kernels(doc_ids).items() if not (n == "sdpa math" and seq > 2048)}
+            sinks = torch.randn(HEADS, generator=g).requires_grad_()
+            skip = [n for n in a.skip_8192.split(",") if n]
+            fns = {n: f for n, f in kernels(case, doc_ids, a.window, sinks).items()
+                   if not ((n == "sdpa math" or any(x in n for x in skip)) and seq > 2048)}
             times = {n: [] for n in fns}
             results = {}
             for rep in range(a.reps + 1):
                 for name, fn in fns.items():
-                    q.grad = k.grad = v.grad = None
+                    q.grad = k.grad = v.grad = sinks.grad = None
                     t0 = time.perf_counter()
                     out = fn(q, k, v)
                     out.backward(dout)

@@ -1,7 +1,8 @@
 """MFU where matmuls dominate: a 1B-shaped Llama slice trained a few steps, with a per-op time breakdown,
 the framework's step against a bare PyTorch loop on the same model and kernels, before and after tuning.
 
-    python scripts/bench_mfu.py [--layers 2] [--seq-len 2048] [--batch 1] [--steps 2] [--dtype bfloat16] [--compile]
+    python scripts/bench_mfu.py [--layers 2] [--seq-len 2048] [--batch 1] [--steps 2] [--dtype bfloat16]
+        [--run-steps 10000] [--tuned]
 
 The shape: Llama 3.2 1B's block (dim 2048, 16 heads, 8 kv heads, FFN 8192) and its
 vocabulary (128256), `--layers` blocks, the llama3 `Transformer` built from `TransformerModelArgs` (the
@@ -11,10 +12,15 @@ multiplies bf16 natively; no autocast then), one model and optimizer shared by e
   optimizer builder with foreach AdamW, its gradient clipping: the defaults before the auto chunked loss;
 - bare PyTorch: the same model, F.cross_entropy on float32 logits, torch.optim.AdamW (foreach),
   torch.nn.utils.clip_grad_norm_;
-- framework, defaults: the shipped defaults (no option set): `training.loss_chunk_size -1` (auto: chunked at
-  this vocabulary) and `optimizer.implementation auto` (fused AdamW where torch has it);
-- with `--compile`, last: the defaults with every block compiled (`--compile.enable`'s regional compile; the
-  warm-up step compiles).
+- framework, eager defaults: the shipped defaults with compile off: `training.loss_chunk_size -1` (auto:
+  chunked at this vocabulary) and `optimizer.implementation auto` (fused AdamW where torch has it);
+- framework, defaults: what `--compile.auto` (the default) chooses for a run of `--run-steps` steps (default:
+  the trainer's default `training.steps`, 10,000) of this shape, by its rule (distributed/compile_auto.py) with
+  this step's FLOPs and the measured peak: with its blocks compiled (regional compile; the warm-up step
+  compiles) when it says on, else the eager defaults above. It runs after the eager variants (compiling the
+  blocks changes the shared model); the line above the table quotes the rule's figures;
+- framework, tuned (`--tuned`, last): the compiled defaults with glibc keeping freed memory as well
+  (`--training.cpu_keep_freed_memory`, set mid-process by mallopt): the fastest opt-in variant.
 Variants alternate step by step after one warm-up step each; medians. The CPU allocator is the process's, so
 every variant runs with the one `--malloc` names: `huge_pages` (the trainer's default,
 `--training.cpu_huge_pages`: torch's large tensors on transparent huge pages), `plain` (glibc as it starts) or
@@ -79,10 +85,17 @@ def breakdown(step, name: str = "") -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--dim", type=int, default=2048, help="model width (heads of 128); smaller only to try the script")
+    p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--compile", action="store_true", help="also the defaults with each block compiled")
+    p.add_argument("--run-steps", type=int, default=None,
+                   help="the run length compile.auto judges (default: the trainer's default training.steps)")
+    p.add_argument("--skip-before", action="store_true", help="leave out the `before` variant (shorter run)")
+    p.add_argument("--no-breakdown", action="store_true", help="skip the profiled step per variant (shorter run)")
+    p.add_argument("--tuned", action="store_true",
+                   help="last, the compiled defaults with glibc keeping freed memory (the fastest opt-in variant)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--only", choices=["before", "defaults"], help="run this framework variant alone")
     p.add_argument("--malloc", default="huge_pages", choices=["huge_pages", "plain", "keep"],
@@ -110,7 +123,8 @@ def main() -> None:
     if a.malloc == "keep":
         cpu_malloc.keep_freed_memory()  # as --training.cpu_keep_freed_memory, for every variant
 
-    args = TransformerModelArgs(dim=2048, n_layers=a.layers, n_heads=16, n_kv_heads=8, vocab_size=128256,
+    args = TransformerModelArgs(dim=a.dim, n_layers=a.layers, n_heads=a.dim // 128, n_kv_heads=max(1, a.dim // 256),
+                                vocab_size=a.vocab,
                                 ffn_dim_multiplier=1.5, multiple_of=256, rope_theta=500000, max_seq_len=a.seq_len)
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -164,14 +178,23 @@ def main() -> None:
         adamw.zero_grad(set_to_none=True)
 
     kernel = "fused" if auto_fused else "foreach"
+    peak = peak_flops(torch.device("cpu"), dtype)
+    from torchtitan.distributed.compile_auto import choose
+
+    if a.run_steps is not None:
+        cfg.training.steps = a.run_steps
+    auto = choose(cfg, step_flops=flops_per_step, peak_flops=peak, device_type="cpu", world_size=1,
+                  cached=False, layout_refusal=None)  # cold: the estimate a first run of these shapes makes
     variants = {
         "framework, before (plain loss, foreach AdamW)": framework(plain_loss, False),
         "bare PyTorch (same kernels)": bare,
-        f"framework, defaults (auto: chunked loss {AUTO_CHUNK}, {kernel} AdamW)": framework(default_loss, auto_fused),
+        f"framework, eager defaults (auto: chunked loss {AUTO_CHUNK}, {kernel} AdamW)": framework(default_loss, auto_fused),
     }
+    if a.skip_before:
+        variants = {n: v for n, v in variants.items() if not n.startswith("framework, before ")}
     if a.only:  # one variant alone: its own peak RSS (alternating variants share one heap)
-        variants = {n: v for n, v in variants.items() if n.startswith(f"framework, {a.only} ")}
-    peak = peak_flops(torch.device("cpu"), dtype)
+        keep = "framework, before " if a.only == "before" else "framework, eager defaults "
+        variants = {n: v for n, v in variants.items() if n.startswith(keep)}
     times = {name: [] for name in variants}
     for rep in range(a.steps + 1):
         for name, step in variants.items():
@@ -179,46 +202,63 @@ def main() -> None:
             step()
             if rep:
                 times[name].append(time.perf_counter() - t0)
-    kinds = {name: breakdown(step, name) for name, step in variants.items()}
-    if a.compile:  # last: compiling the blocks changes the shared model for every variant after it
+    def profiled(step, name: str) -> dict[str, float]:
+        return dict.fromkeys(KINDS, 0.0) if a.no_breakdown else breakdown(step, name)
+
+    kinds = {name: profiled(step, name) for name, step in variants.items()}
+
+    def run_last(name: str, step) -> None:  # after the eager variants: it changes the shared model or heap
+        variants[name], times[name] = step, []
+        for rep in range(a.steps + 1):  # the warm-up step compiles
+            t0 = time.perf_counter()
+            step()
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+        kinds[name] = profiled(step, name)
+
+    defaults_step = variants[list(variants)[-1]]
+    if auto.enable and a.only != "before":
         from torchtitan.distributed.compile import apply_compile, configure_compile_cache
 
         configure_compile_cache()
         apply_compile(model)
-        name = "framework, defaults + regional compile (each block)"
-        variants[name] = variants[list(variants)[-1]]
-        times[name] = []
-        for rep in range(a.steps + 1):  # the warm-up step compiles
-            t0 = time.perf_counter()
-            variants[name]()
-            if rep:
-                times[name].append(time.perf_counter() - t0)
-        kinds[name] = breakdown(variants[name], name)
+        run_last("framework, defaults (compile.auto: on, each block compiled)", defaults_step)
+        if a.tuned:
+            cpu_malloc.keep_freed_memory()
+            run_last("framework, tuned (defaults + glibc keeps freed memory)", defaults_step)
     rss = _peak_rss_bytes()
 
-    print(f"Llama slice: dim 2048, {args.n_heads} heads, {args.n_kv_heads} kv heads, FFN {ffn}, vocab {args.vocab_size}, "
+    print(f"Llama slice: dim {a.dim}, {args.n_heads} heads, {args.n_kv_heads} kv heads, FFN {ffn}, vocab {args.vocab_size}, "
           f"{a.layers} layers, batch {a.batch} x seq {a.seq_len}, {a.dtype} parameters; {torch.get_num_threads()} threads, "
           f"{cpu_model_name()}, torch {torch.__version__}")
+    print(f"compile.auto for a {cfg.training.steps}-step run of this shape: {auto.reason}")
     print(f"model FLOPs per step {flops_per_step / 1e12:.2f} TFLOP; measured peak (best large {a.dtype} GEMM) "
           f"{peak / 1e9:,.0f} GFLOP/s; process peak RSS {rss / 2**30:.1f} GiB; CPU allocator: {cpu_malloc.describe()}")
     print("| variant | step s (median, min-max) | tokens/s | MFU | " + " | ".join(f"{k} %" for k in KINDS) + " |")
     print("|---|---|---|---|" + "---|" * len(KINDS))
     for name in variants:
         med = statistics.median(times[name])
-        total = sum(kinds[name].values())
+        total = sum(kinds[name].values()) or 1.0
         shares = " | ".join(f"{100 * kinds[name][k] / total:.1f}" for k in KINDS)
         print(f"| {name} | {med:.2f} ({min(times[name]):.2f}-{max(times[name]):.2f}) | "
               f"{a.batch * a.seq_len / med:,.0f} | {100 * flops_per_step / med / peak:.1f}% | {shares} |")
-    for name in list(variants)[2:]:
+    for name in [n for n in variants if n.startswith("framework, ") and "before" not in n]:
         top = sorted(TOP_OPS.get(name, {}).items(), key=lambda kv: -kv[1])[:8]
         print(f"largest ops outside the matmuls, {name}: " + "; ".join(f"{op} {t:.2f} s" for op, t in top))
     if a.only:
         return
-    before, bare_s, defaults = (statistics.median(times[n]) for n in list(variants)[:3])
-    compiled = (f"; defaults + compile / defaults {defaults / statistics.median(times[list(variants)[3]]):.3f}x"
-                if a.compile else "")
-    print(f"tokens/s ratios: framework before / bare {bare_s / before:.3f}x; defaults / bare {bare_s / defaults:.3f}x; "
-          f"defaults / before {before / defaults:.3f}x{compiled}")
+    med = {n: statistics.median(times[n]) for n in variants}
+    names = list(variants)
+    bare_s = med["bare PyTorch (same kernels)"]
+    eager = next(med[n] for n in names if n.startswith("framework, eager defaults"))
+    compiled = [n for n in names if n.startswith("framework, defaults ")]
+    defaults = med[compiled[0]] if compiled else eager
+    line = f"tokens/s ratios: defaults / bare {bare_s / defaults:.3f}x; defaults / eager defaults {eager / defaults:.3f}x"
+    if not a.skip_before:
+        before = med[names[0]]
+        line += f"; framework before / bare {bare_s / before:.3f}x; defaults / before {before / defaults:.3f}x"
+    best = min(med.values())
+    print(line + f"; defaults / the fastest variant {best / defaults:.3f}x")
 
 
 if __name__ == "__main__":

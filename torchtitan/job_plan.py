@@ -23,6 +23,7 @@ from torchtitan.config import JobConfig
 from torchtitan.components.optimizer_offload import check_optimizer_offload
 from torchtitan.distributed.activation_checkpoint import check_ac_config, check_block_choices
 from torchtitan.distributed.compile import check_compile_config, check_compile_layout, compiles
+from torchtitan.distributed.compile_auto import CompileChoice, resolve_compile_auto
 from torchtitan.distributed.context_parallel import ContextParallelAttention
 from torchtitan.distributed.context_parallel_a2a import check_cp_method
 from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims, parallel_dims_from_config
@@ -51,6 +52,8 @@ class JobPlan:
     pipeline_plan: PipelinePlan | None
     precision: Precision
     """The dtypes the job trains in on its device ("auto" resolved)."""
+    compile_choice: CompileChoice
+    """Whether the blocks compile (`compile.auto` resolved into cfg.compile) and why, for the log."""
 
 
 def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -> JobPlan:
@@ -85,6 +88,9 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
     converters = build_model_converters(cfg, pd, torch.device(device_type))
     converters.convert(model)
     _check_model_inputs(cfg, model)
+    # After the explicit compile checks above: auto only turns compile on where they would pass.
+    compile_choice = resolve_compile_auto(cfg, model, model_args, pd, device_type, world_size,
+                                          converters.matmul_dtype(precision.matmul))
     check_block_choices(cfg.memory, cfg.activation_checkpoint, len(model.layers))
     check_optimizer_offload(cfg, device_type)
     # The kernel each attention will run: ring and hierarchical context parallel swap in ring attention;
@@ -98,7 +104,8 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
         if spec.pipelining_fn is None:
             raise LayoutError(f"model {cfg.model.name} does not support pipeline parallel")
         pipeline_plan = plan_model_pipeline(model, pd, cfg)
-    return JobPlan(spec, tokenizer, model_args, pd, global_bs, accum, model, converters, pipeline_plan, precision)
+    return JobPlan(spec, tokenizer, model_args, pd, global_bs, accum, model, converters, pipeline_plan, precision,
+                   compile_choice)
 
 
 def _check_hf_initial_load(cfg: JobConfig, spec: TrainSpec, model_args: object, model: nn.Module) -> None:

@@ -36,7 +36,8 @@ from torchtitan.config import JobConfig
 from torchtitan.config.manager import save_config, to_toml
 from torchtitan.distributed import fault_tolerance, hang_watch
 from torchtitan.distributed import utils as dist_utils
-from torchtitan.distributed.compile import compile_advice
+from torchtitan.distributed.compile import compiles
+from torchtitan.distributed.compile_auto import remember_compiled
 from torchtitan.distributed.context_parallel import shard_batch
 from torchtitan.errors import TrainingError
 from torchtitan.job_plan import plan_job
@@ -121,8 +122,9 @@ class Trainer:
         else:
             self.model_parts = [self.spec.parallelize_fn(model, pd, cfg)]
         self.converters.post_parallelize(self.model_parts)
-        if (advice := compile_advice(cfg, self.device.type)) and self.rank == 0:
-            logger.info(advice)
+        self.compile_choice = plan.compile_choice
+        if self.rank == 0:
+            logger.info(self.compile_choice.reason)
         self._init_weights(seed)
         # Autocast gives mixed precision where FSDP's policy does not apply (no data-parallel sharding).
         param_dtype, mp = precision.param, precision.mixed
@@ -419,6 +421,8 @@ class Trainer:
                     # The first step compiles and warms up: it is reported as first_step_s, and the throughput
                     # window starts after it.
                     first_step_s = time.perf_counter() - window_start
+                    if compiles(self.cfg, "model") and self.rank == 0:  # the next run's compile estimate is warm
+                        remember_compiled(self.compile_choice.key)
                     window_start, window_tokens, data_time = time.perf_counter(), 0, 0.0
                     self.step_clock.reset()
                 if self.guard is None and not torch.isfinite(grad_norm):

@@ -56,22 +56,6 @@ def compiles(job_config: JobConfig, component: str) -> bool:
     return job_config.compile.enable and component in job_config.compile.components
 
 
-def compile_advice(job_config: JobConfig, device_type: str) -> str | None:
-    """One line for the log of a run that leaves compile off: what `--compile.enable` was measured to give
-    (docs/performance.md), and what it costs. None when the run compiles the model."""
-    if compiles(job_config, "model"):
-        return None
-    if device_type == "cpu":
-        gain = ("measured 1.14x tokens/s at a 1B-shaped Llama slice (bf16, 73.8% against 65.0% MFU) and "
-                "1.09-1.15x at the debugmodel")
-    else:
-        gain = f"not measured on {device_type} by this project (the fusions are those measured 1.09-1.15x on CPU)"
-    return (f"Compile is off: --compile.enable (each transformer block compiled; RMSNorm, RoPE and SwiGLU fused) "
-            f"{gain}; it costs one compile at the first step (33-39 s for the debugmodel with a cold cache, cached "
-            f"on disk after), repaid after about compile time / (0.12 x step time) steps: ~250 at the debugmodel's "
-            f"1.1 s steps")
-
-
 def check_compile_config(job_config: JobConfig, device_type: str) -> None:
     """Raises ValueError (one line) for compile / async-TP settings that cannot run."""
     unknown = [c for c in job_config.compile.components if c not in COMPONENTS]

@@ -153,11 +153,13 @@ def _cached_measurement(key: str, measure: Callable[[], float], *, remeasure: bo
     return flops
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype, *, num_threads: int | None = None) -> float:
+def peak_flops(device: torch.device, dtype: torch.dtype, *, num_threads: int | None = None,
+               remeasure: bool = True) -> float:
     """Peak FLOP/s of `device` at compute `dtype` (a float8 dtype asks for the fp8 peak).
 
     `num_threads` (CPU only) defaults to torch.get_num_threads(); the measurement runs with it and is cached per
-    CPU model, dtype and thread count.
+    CPU model, dtype and thread count. A CPU measures again each call (the cache keeps the best) unless
+    `remeasure` is False, which takes the cached value when there is one (an estimate that needs no precision).
     """
     if device.type != "cpu":
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
@@ -188,4 +190,4 @@ def peak_flops(device: torch.device, dtype: torch.dtype, *, num_threads: int | N
         finally:
             torch.set_num_threads(previous)
 
-    return _cached_measurement(key, measure, remeasure=True)
+    return _cached_measurement(key, measure, remeasure=remeasure)

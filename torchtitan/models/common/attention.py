@@ -35,6 +35,7 @@ from torchtitan.distributed.context_parallel import (
     window_block_state,
     window_causal_mask,
 )
+from torchtitan.models.common.cpu_flash_blocks import FlashBlockAttention
 from torchtitan.protocols.documents import document_start_index
 
 DOCUMENT_BLOCK = 256
@@ -176,6 +177,23 @@ class _BlockwiseAttention(torch.autograd.Function):
                 None, None, dsinks, None)
 
 
+def cpu_flash_block_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None,
+    window: int | None = None, sinks: torch.Tensor | None = None, block: int = DOCUMENT_BLOCK,
+) -> torch.Tensor:
+    """blockwise_attention's spans and math through SDPA's CPU flash kernel (models/common/cpu_flash_blocks.py):
+    eager CPU only (its key spans may depend on the documents, and it calls the kernel's aten ops)."""
+    check_window(window)
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must hold one logit per query head, shape ({q.shape[1]},), got {tuple(sinks.shape)}")
+    return FlashBlockAttention.apply(q, k, v, document_ids, window, sinks, _spans(q.shape[2], block, window,
+                                                                                   document_ids))
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return isinstance(t, DTensor)
+
+
 def blockwise_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None,
     window: int | None = None, sinks: torch.Tensor | None = None, block: int = DOCUMENT_BLOCK,
@@ -214,6 +232,10 @@ class ScaledDotProductAttention(nn.Module):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.window is not None or sinks is not None:
+            if q.device.type == "cpu" and not torch.compiler.is_compiling() and not _is_dtensor(q):
+                # The same spans through SDPA's CPU flash kernel: 1.4-2.9x faster fwd+bwd at 2048 tokens in bf16
+                # (docs/performance.md, measured under load).
+                return cpu_flash_block_attention(q, k, v, document_ids, self.window, sinks)
             return blockwise_attention(q, k, v, document_ids, self.window, sinks)
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:

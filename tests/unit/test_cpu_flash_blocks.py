@@ -1,0 +1,41 @@
+"""Windows, sinks and documents through SDPA's CPU flash kernel (models/common/cpu_flash_blocks.py) equal the
+exact plain-torch span loop (blockwise_attention, fp32 inside), outputs and every gradient, and the shared
+kernel picks the flash path on CPU in eager mode."""
+
+import pytest
+import torch
+
+from torchtitan.models.common import attention
+
+
+@pytest.mark.parametrize("window, sinks, docs", [(None, True, False), (40, False, False), (40, True, True),
+                                                  (None, False, True)])
+def test_equals_the_plain_torch_span_loop_in_float32(window, sinks, docs):
+    g = torch.Generator().manual_seed(0)
+    batch, hq, hkv, seq, dim = 2, 4, 2, 150, 16  # 3 query blocks of 64, the last one partial
+    q, k, v = (torch.randn(batch, h, seq, dim, generator=g) for h in (hq, hkv, hkv))
+    dout = torch.randn(batch, hq, seq, dim, generator=g)
+    sink = torch.randn(hq, generator=g) if sinks else None
+    doc_ids = torch.sort(torch.randint(0, 4, (batch, seq), generator=g), dim=1).values if docs else None
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([sink.clone().requires_grad_()] if sinks else [])
+        out = fn(*leaves[:3], doc_ids, window, leaves[3] if sinks else None, block=64)
+        out.backward(dout)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    ref, new = run(attention.blockwise_attention), run(attention.cpu_flash_block_attention)
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), ref, new):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=2e-5, msg=name)
+
+
+def test_the_shared_kernel_picks_it_on_cpu_eager(monkeypatch):
+    calls = []
+    real = attention.cpu_flash_block_attention
+    monkeypatch.setattr(attention, "cpu_flash_block_attention", lambda *a: calls.append(1) or real(*a))
+    q, k, v = torch.randn(1, 2, 64, 16), torch.randn(1, 1, 64, 16), torch.randn(1, 1, 64, 16)
+    out = attention.ScaledDotProductAttention(window=8)(q, k, v)
+    assert calls == [1]
+    torch.testing.assert_close(out, attention.blockwise_attention(q, k, v, window=8), rtol=1e-5, atol=1e-5)
+    attention.ScaledDotProductAttention()(q, k, v)  # plain causal keeps SDPA
+    assert calls == [1]
