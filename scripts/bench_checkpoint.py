@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
+from torchtitan.components.checkpoint.manager import CheckpointManager  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.protocols.train_spec import config_manager
 from torchtitan.models.llama3.flavors import llama3_flavors  # noqa: E402

@@ -4,7 +4,7 @@
 
 A state of `mb` MiB of fp32 tensors (a model-like mix: a few large matrices, many small vectors) is saved by
 DCP in one process, alternately with the plain FileSystemWriter and with ChecksummingWriter (CRC-32 of every
-byte as it is written, components/checkpoint_checksums.py); the medians, min/max and their ratio are printed,
+byte as it is written, components/checkpoint/checksums.py); the medians, min/max and their ratio are printed,
 with the bare CRC-32 rate of this CPU and the cost of verifying at load (one read of every file). The page
 cache is warm: the figures bound the CPU cost of the hash, not a disk's speed.
 """
@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.filesystem import FileSystemWriter  # noqa: E402
 
-from torchtitan.components.checkpoint_checksums import ChecksummingWriter, file_checksum  # noqa: E402
+from torchtitan.components.checkpoint.checksums import ChecksummingWriter, file_checksum  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

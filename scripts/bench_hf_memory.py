@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from tests.multiprocess import run_ranks  # noqa: E402
-from torchtitan.components.hf_folder import PART_BYTES  # noqa: E402
+from torchtitan.components.checkpoint.hf_folder import PART_BYTES  # noqa: E402
 
 CONSTANT_MB = PART_BYTES // 2**20 + 64  # the write buffer + 64 MB of allocator and Python slack
 
@@ -76,7 +76,7 @@ def _sharded_model(args, world_size):
 def _load(rank, world_size, args, folder):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from torchtitan.components.hf_folder import load_hf_into
+    from torchtitan.components.checkpoint.hf_folder import load_hf_into
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
     base = rss_mb()
@@ -93,7 +93,7 @@ def _save(rank, world_size, args, folder, out):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from torchtitan.components.hf_folder import load_hf_into, save_hf_folder
+    from torchtitan.components.checkpoint.hf_folder import load_hf_into, save_hf_folder
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
     base = rss_mb()
@@ -126,8 +126,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=2048, help="the shipped tokenizer's, which conversion resizes to")
     p.add_argument("--folder", default="/tmp/hf-mem-bench")
     a = p.parse_args()
-    from torchtitan.components.checkpoint import write_model_checkpoint
-    from torchtitan.components.hf_folder import save_hf_folder
+    from torchtitan.components.checkpoint.manager import write_model_checkpoint
+    from torchtitan.components.checkpoint.hf_folder import save_hf_folder
     from torchtitan.protocols.model_shape import flatten_args
     from torchtitan.models.llama3.model import Transformer
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter

@@ -17,9 +17,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from torchtitan.components.checkpoint import CheckpointError, write_model_checkpoint  # noqa: E402
+from torchtitan.components.checkpoint.manager import CheckpointError, write_model_checkpoint  # noqa: E402
 from torchtitan.config import ConfigError  # noqa: E402
-from torchtitan.components.hf_folder import read_hf_state_dict  # noqa: E402
+from torchtitan.components.checkpoint.hf_folder import read_hf_state_dict  # noqa: E402
 from torchtitan.protocols.model_shape import pin_model_shape, resolve_model  # noqa: E402
 from torchtitan.protocols.train_spec import config_manager  # noqa: E402
 

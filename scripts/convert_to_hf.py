@@ -8,7 +8,7 @@ output is what save_pretrained writes: model.safetensors, or model-0000i-of-0000
 --max_shard_mb with model.safetensors.index.json, plus config.json, generation_config.json and the tokenizer
 files (tokenizer.json, tokenizer_config.json, special_tokens_map.json), so AutoModelForCausalLM and
 AutoTokenizer load the folder as it is. Tensors are read from the checkpoint one by one and written in parts
-(components/hf_folder.py): memory stays at a few tensors, not the model. The default dtype float32 keeps the
+(components/checkpoint/hf_folder.py): memory stays at a few tensors, not the model. The default dtype float32 keeps the
 weights bit-exact; bfloat16 halves the size. The output folder must be new or empty.
 
 A step checkpoint of a LoRA run (--model.converters lora) holds only the adapters: the base is rebuilt from
@@ -26,16 +26,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from torchtitan.components import checkpoint_folders as folders  # noqa: E402
-from torchtitan.components.checkpoint import DCP_ERRORS, CheckpointError, check_shapes, read_dcp_metadata  # noqa: E402
-from torchtitan.components.hf_folder import (  # noqa: E402
+from torchtitan.components.checkpoint import folders  # noqa: E402
+from torchtitan.components.checkpoint.manager import DCP_ERRORS, CheckpointError, check_shapes, read_dcp_metadata  # noqa: E402
+from torchtitan.components.checkpoint.hf_folder import (  # noqa: E402
     check_output_folder,
     hf_chunks,
     model_hf_shapes,
     write_hf_metadata,
     write_hf_weights,
 )
-from torchtitan.components.offline_model import job_config_of  # noqa: E402
+from torchtitan.components.checkpoint.offline_model import job_config_of  # noqa: E402
 from torchtitan.components.lora_export import load_lora_model, save_merged, save_peft  # noqa: E402
 from torchtitan.config import ConfigError  # noqa: E402
 from torchtitan.protocols.model_shape import resolve_model  # noqa: E402

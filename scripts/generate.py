@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from torchtitan.components.checkpoint import CheckpointError  # noqa: E402
-from torchtitan.components.offline_model import build_cpu_model, job_config_of, load_model_weights  # noqa: E402
+from torchtitan.components.checkpoint.manager import CheckpointError  # noqa: E402
+from torchtitan.components.checkpoint.offline_model import build_cpu_model, job_config_of, load_model_weights  # noqa: E402
 from torchtitan.config import ConfigError  # noqa: E402
 from torchtitan.tools.generation import generate  # noqa: E402
 

@@ -16,7 +16,7 @@ import os
 import torch
 import torch.nn as nn
 
-from torchtitan.components.hf_folder import check_weight_shapes, weight_shapes
+from torchtitan.components.checkpoint.hf_folder import check_weight_shapes, weight_shapes
 from torchtitan.components.muon import check_muon_config
 from torchtitan.components.quantization import ModelConverters, build_model_converters
 from torchtitan.config import JobConfig

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torchtitan.components import checkpoint as ckpt
+from torchtitan.components.checkpoint import manager as ckpt
 from torchtitan.components.loss import (
     IGNORE_INDEX,
     loss_value,

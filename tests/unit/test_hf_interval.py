@@ -14,8 +14,8 @@ import torch
 
 from tests.unit.checkpoint_helpers import run
 from torchtitan import preflight
-from torchtitan.components import checkpoint_folders as folders
-from torchtitan.components.offline_model import build_cpu_model, job_config_of, load_model_weights
+from torchtitan.components.checkpoint import folders
+from torchtitan.components.checkpoint.offline_model import build_cpu_model, job_config_of, load_model_weights
 
 transformers = pytest.importorskip("transformers")
 

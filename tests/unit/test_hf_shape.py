@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from torchtitan.components.hf_folder import load_hf_folder, save_hf_folder
+from torchtitan.components.checkpoint.hf_folder import load_hf_folder, save_hf_folder
 from torchtitan.config import ConfigError, save_config
 from torchtitan.job_plan import plan_job
 from torchtitan.protocols.model_shape import resolve_model

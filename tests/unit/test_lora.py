@@ -14,8 +14,8 @@ import torch
 
 from torchtitan import preflight
 from torchtitan.components.lora_export import load_lora_model
-from torchtitan.components.offline_model import build_cpu_model, job_config_of
-from torchtitan.components.hf_folder import save_hf_folder
+from torchtitan.components.checkpoint.offline_model import build_cpu_model, job_config_of
+from torchtitan.components.checkpoint.hf_folder import save_hf_folder
 from torchtitan.models.common.qwen3_state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.train import main
 

@@ -16,7 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from torchtitan.components.hf_folder import load_hf_folder, load_hf_into, save_hf_folder  # noqa: E402
+from torchtitan.components.checkpoint.hf_folder import load_hf_folder, load_hf_into, save_hf_folder  # noqa: E402
 from torchtitan.components.moe import MoEArgs  # noqa: E402
 from torchtitan.models.qwen3_5.args import Qwen3_5ModelArgs, interval_layer_types  # noqa: E402
 from torchtitan.models.qwen3_5.model import Qwen3_5  # noqa: E402

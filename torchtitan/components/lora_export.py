@@ -18,8 +18,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from torchtitan.components import checkpoint_folders as folders
-from torchtitan.components.checkpoint import (
+from torchtitan.components.checkpoint import folders
+from torchtitan.components.checkpoint.manager import (
     DCP_ERRORS,
     CheckpointError,
     ModelWrapper,
@@ -27,9 +27,9 @@ from torchtitan.components.checkpoint import (
     check_shapes,
     read_dcp_metadata,
 )
-from torchtitan.components.hf_folder import save_hf_folder
+from torchtitan.components.checkpoint.hf_folder import save_hf_folder
 from torchtitan.components.lora import LoRAConverter, lora_modules, merge_adapters
-from torchtitan.components.offline_model import build_cpu_model, load_model_weights
+from torchtitan.components.checkpoint.offline_model import build_cpu_model, load_model_weights
 from torchtitan.config import JobConfig
 from torchtitan.distributed.parallel_dims import parallel_dims_from_config
 

@@ -11,8 +11,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from torchtitan.components import checkpoint_folders as folders
-from torchtitan.components.checkpoint import (
+from torchtitan.components.checkpoint import folders
+from torchtitan.components.checkpoint.manager import (
     DCP_ERRORS,
     CheckpointError,
     ModelWrapper,
@@ -20,7 +20,7 @@ from torchtitan.components.checkpoint import (
     content_problem,
     read_dcp_metadata,
 )
-from torchtitan.components.hf_folder import load_hf_into
+from torchtitan.components.checkpoint.hf_folder import load_hf_into
 from torchtitan.config import JobConfig
 from torchtitan.protocols.train_spec import config_manager
 from torchtitan.protocols.model_shape import resolve_model

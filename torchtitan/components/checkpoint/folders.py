@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchtitan.components.checkpoint_checksums import file_checksum
+from torchtitan.components.checkpoint.checksums import file_checksum
 from torchtitan.tools import fault_injection
 from torchtitan.tools.logging import logger
 

@@ -31,9 +31,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components import checkpoint_checksums as checksums
-from torchtitan.components import checkpoint_folders as folders
-from torchtitan.components.hf_folder import load_hf_into, save_hf_folder
+from torchtitan.components.checkpoint import checksums
+from torchtitan.components.checkpoint import folders
+from torchtitan.components.checkpoint.hf_folder import load_hf_into, save_hf_folder
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import to_toml
 from torchtitan.protocols.state_dict_adapter import HFConfigMismatch
