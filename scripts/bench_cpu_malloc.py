@@ -36,7 +36,7 @@ def run_one(mode: str, a: argparse.Namespace) -> dict:
     import torch
 
     from torchtitan.components.loss import build_cross_entropy_loss
-    from torchtitan.components.optimizer import build_optimizers
+    from torchtitan.components.optim.optimizer import build_optimizers
     from torchtitan.config.job_config import JobConfig
     from torchtitan.distributed.utils import clip_grad_norm_
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs

@@ -96,7 +96,7 @@ def main() -> None:
     import torch.nn.functional as F
 
     from torchtitan.components.loss import AUTO_CHUNK, build_cross_entropy_loss
-    from torchtitan.components.optimizer import build_optimizers
+    from torchtitan.components.optim.optimizer import build_optimizers
     from torchtitan.config.job_config import JobConfig
     from torchtitan.distributed.utils import clip_grad_norm_
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs

@@ -46,8 +46,8 @@ def _rank(rank, world_size, a):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from torchtitan.components.muon import MuonWithAdamW
-    from torchtitan.components.muon_distributed import DistributedOrthogonaliser, ns_flops
+    from torchtitan.components.optim.muon import MuonWithAdamW
+    from torchtitan.components.optim.muon_distributed import DistributedOrthogonaliser, ns_flops
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
     shapes = [(a.dim, a.dim), (a.kv_dim, a.dim), (a.kv_dim, a.dim), (a.dim, a.dim),

@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from torchtitan.components.lr_scheduler import check_schedule
+from torchtitan.components.optim.lr_scheduler import check_schedule
 from torchtitan.components.step_guard import check_guard_config
 from torchtitan.config import JobConfig
 from torchtitan.datasets.dataloader import check_shard_folder, is_dataset_name, parse_mixture

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from torchtitan.components.checkpoint.hf_folder import check_weight_shapes, weight_shapes
-from torchtitan.components.muon import check_muon_config
+from torchtitan.components.optim.muon import check_muon_config
 from torchtitan.components.quantization import ModelConverters, build_model_converters
 from torchtitan.config import JobConfig
 from torchtitan.distributed.activation_checkpoint import check_ac_config, check_block_choices

@@ -14,8 +14,8 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from tests.unit.checkpoint_helpers import inventory, losses, run
 from torchtitan.components.checkpoint import folders
 from torchtitan.components.checkpoint.manager import CheckpointError, CheckpointManager, RNGState
-from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.optim.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optim.optimizer import build_optimizers
 from torchtitan.protocols.train_spec import config_manager
 from torchtitan.components.train_state import TrainState
 

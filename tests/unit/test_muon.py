@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from tests.unit.checkpoint_helpers import losses, run
-from torchtitan.components import muon
-from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.optim import muon
+from torchtitan.components.optim.optimizer import build_optimizers
 from torchtitan.config.job_config import Optimizer
 
 

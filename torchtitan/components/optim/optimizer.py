@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from torchtitan.components.muon import MuonWithAdamW, check_muon_config, default_is_muon_param
+from torchtitan.components.optim.muon import MuonWithAdamW, check_muon_config, default_is_muon_param
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.tools.logging import logger
 

@@ -16,7 +16,7 @@ sqrt(max(1, m/n)), needs its own, larger learning rate for the matrices.)
 Distributed: Newton-Schulz needs the whole matrix. A DTensor update (FSDP's Shard(0), TP's Shard(0) or
 Shard(1), both on a 2-D mesh, HSDP) is orthogonalised ONCE per mesh: each matrix has an owner rank, chosen
 to balance the ranks' Newton-Schulz FLOPs, which gathers the matrix, orthogonalises it and scatters the
-result back as the other ranks' shards (components/muon_distributed.py). The result is exact, equal to what
+result back as the other ranks' shards (components/optim/muon_distributed.py). The result is exact, equal to what
 one process computes. Cost per step and rank: the Newton-Schulz FLOPs of its own matrices (at most 1/N of
 the total plus the largest matrix's), and each row block to its owner and back, about the traffic of one
 extra FSDP parameter all-gather in the momentum's dtype. See docs/optimizers.md.
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.optim.adamw import adamw
 
-from torchtitan.components.muon_distributed import DistributedOrthogonaliser
+from torchtitan.components.optim.muon_distributed import DistributedOrthogonaliser
 from torchtitan.tools.precision import DTYPES
 
 # Quintic Newton-Schulz coefficients from Keller Jordan's Muon: they maximise the slope at zero, so five

@@ -28,7 +28,7 @@ from typing import Any
 
 from torch.optim.lr_scheduler import LambdaLR
 
-from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.optim.optimizer import OptimizersContainer
 from torchtitan.config.job_config import LRScheduler as LRSchedulerConfig
 from torchtitan.tools.logging import logger
 
