@@ -36,7 +36,7 @@ from torchtitan.components.checkpoint.hf_folder import (  # noqa: E402
     write_hf_weights,
 )
 from torchtitan.components.checkpoint.offline_model import job_config_of  # noqa: E402
-from torchtitan.components.lora_export import load_lora_model, save_merged, save_peft  # noqa: E402
+from torchtitan.components.lora.export import load_lora_model, save_merged, save_peft  # noqa: E402
 from torchtitan.config import ConfigError  # noqa: E402
 from torchtitan.protocols.model_shape import resolve_model  # noqa: E402
 from torchtitan.tools.precision import DTYPES  # noqa: E402

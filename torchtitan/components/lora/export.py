@@ -28,7 +28,7 @@ from torchtitan.components.checkpoint.manager import (
     read_dcp_metadata,
 )
 from torchtitan.components.checkpoint.hf_folder import save_hf_folder
-from torchtitan.components.lora import LoRAConverter, lora_modules, merge_adapters
+from torchtitan.components.lora.adapters import LoRAConverter, lora_modules, merge_adapters
 from torchtitan.components.checkpoint.offline_model import build_cpu_model, load_model_weights
 from torchtitan.config import JobConfig
 from torchtitan.distributed.parallel_dims import parallel_dims_from_config
