@@ -6,7 +6,7 @@ from the smallest it accepts to the default? And does it still catch a 1e4x grad
     python scripts/guard_trace.py --metrics /path/to/metrics.jsonl # replay a finished run's log instead
 
 Each recipe trains once, guard off, one process (`--metrics.log_freq 1`, validation off; extra trainer
-arguments after `--`). Its per-step loss and gradient norm are then fed to the guard (components/step_guard.py,
+arguments after `--`). Its per-step loss and gradient norm are then fed to the guard (components/faults/step_guard.py,
 the class the trainer uses) at every window: while no event has happened the guard's history is exactly those
 values, so the first event it reports is the one the trainer would have acted on. Prints, per window, the
 events on the clean run (there should be none), and whether a 1e4x gradient norm injected at a step past the
@@ -25,7 +25,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from torchtitan.components.step_guard import MIN_WINDOW, StepGuard  # noqa: E402
+from torchtitan.components.faults.step_guard import MIN_WINDOW, StepGuard  # noqa: E402
 from torchtitan.config.job_config import Guard  # noqa: E402
 
 RECIPES = ["train_configs/debug_model.toml"]

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from torchtitan.components.optim.lr_scheduler import check_schedule
-from torchtitan.components.step_guard import check_guard_config
+from torchtitan.components.faults.step_guard import check_guard_config
 from torchtitan.config import JobConfig
 from torchtitan.datasets.dataloader import check_shard_folder, is_dataset_name, parse_mixture
 from torchtitan.datasets.schedule import mixture_schedule

@@ -29,8 +29,8 @@ from torchtitan.components.loss import (
     token_and_mtp_loss,
 )
 from torchtitan.components.metrics import MetricsLogger, throughput_metrics
-from torchtitan.components.replica_check import ReplicaCheck
-from torchtitan.components.step_guard import StepGuard
+from torchtitan.components.faults.replica_check import ReplicaCheck
+from torchtitan.components.faults.step_guard import StepGuard
 from torchtitan.components.train_state import TrainState
 from torchtitan.config import JobConfig
 from torchtitan.config.manager import save_config, to_toml

@@ -551,7 +551,7 @@ class Debug:
 
 @dataclass
 class Guard:
-    """The spike and non-finite guard (components/step_guard.py): every step the global loss and gradient norm
+    """The spike and non-finite guard (components/faults/step_guard.py): every step the global loss and gradient norm
     are judged against the last `window` accepted steps; see docs/reliability.md."""
 
     enable: bool = False
@@ -576,7 +576,7 @@ class Guard:
     """Events allowed in one run; the next one stops it with one line (0: the first event stops it)."""
 
     replica_check_interval: int = 0
-    """Silent-corruption check (components/replica_check.py): every N steps the data-parallel replicas (HSDP's
+    """Silent-corruption check (components/faults/replica_check.py): every N steps the data-parallel replicas (HSDP's
     replicate dim, DDP, the same rank of every torchft replica group) compare a fingerprint of their parameters and optimizer state; 0 = off. Independent of
     `enable`."""
 

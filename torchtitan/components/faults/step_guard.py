@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.config.job_config import Guard as GuardConfig
-from torchtitan.components.training_error import TrainingError
+from torchtitan.components.faults.training_error import TrainingError
 from torchtitan.tools.logging import logger
 
 MAD_TO_SIGMA = 1.4826

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.training_error import TrainingError
+from torchtitan.components.faults.training_error import TrainingError
 from torchtitan.tools.logging import logger
 
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
