@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def loader_tokens_per_s(dataset: str, args) -> float:
-    from torchtitan.components.tokenizer import build_tokenizer
+    from torchtitan.components.tokenizer.backends import build_tokenizer
     from torchtitan.config import ConfigManager
     from torchtitan.datasets.dataloader import build_text_dataloader
 

@@ -9,7 +9,7 @@ frequency, and the most frequent adjacent token pair is merged until the request
 regular tokens exists. Ties are broken by the pair's bytes, so the result does not depend on
 dict ordering or hash seeds. The output is a tiktoken-format file (``base64(bytes) rank`` per
 line): ranks 0..255 are the single bytes, then one rank per merge in the order learned.
-Special tokens are not stored; ``torchtitan.components.tokenizer`` appends them.
+Special tokens are not stored; ``torchtitan.components.tokenizer.backends`` appends them.
 """
 
 from __future__ import annotations

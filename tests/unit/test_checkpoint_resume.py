@@ -251,7 +251,7 @@ def test_data_position_saved_right_after_a_load_is_the_loaded_one():
     """A save between loading and the next step (e.g. preemption at once) must not mix in the old iterator's
     count (it used to report a mid-batch position that no layout could load)."""
     from tests.unit.test_packing import ListSource
-    from torchtitan.components.tokenizer import build_tokenizer
+    from torchtitan.components.tokenizer.backends import build_tokenizer
     from torchtitan.datasets.packing import GlobalBatchSlicer, TextWindows
 
     docs = TextWindows(ListSource([f"document number {i} " * 5 for i in range(40)]), build_tokenizer(None), 9, "loop")

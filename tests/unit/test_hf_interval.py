@@ -51,7 +51,7 @@ def test_hf_interval_writes_hub_ready_folders_that_transformers_loads(tmp_path):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     assert not torch.allclose(_hf(str(root / "hf-step-4")), got), "hf-step-4 holds the same weights as hf-step-2"
 
-    from torchtitan.components.tokenizer import build_tokenizer
+    from torchtitan.components.tokenizer.backends import build_tokenizer
 
     sample = "def walk(top):\n    \"\"\"Directory tree generator.\"\"\"  12 été"
     hf_tok = transformers.AutoTokenizer.from_pretrained(root / "hf-step-2")

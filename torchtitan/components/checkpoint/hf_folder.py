@@ -425,7 +425,7 @@ def save_hf_folder(
 
 def write_hf_metadata(folder: str, config: dict, tokenizer=None) -> None:
     """config.json, generation_config.json and (given a project tokenizer) the tokenizer files."""
-    from torchtitan.components.hf_tokenizer import save_hf_tokenizer
+    from torchtitan.components.tokenizer.hf_export import save_hf_tokenizer
 
     if tokenizer is not None:
         config = {**config, "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}

@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 
-from torchtitan.components.tokenizer import (
+from torchtitan.components.tokenizer.backends import (
     LLAMA3_PATTERN,
     HuggingFaceTokenizer,
     SentencePieceTokenizer,

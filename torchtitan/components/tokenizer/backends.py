@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-SHIPPED_TOKENIZER = Path(__file__).resolve().parent.parent / "assets" / "tokenizer" / "stdlib_bpe.tiktoken"
+SHIPPED_TOKENIZER = Path(__file__).resolve().parents[2] / "assets" / "tokenizer" / "stdlib_bpe.tiktoken"
 
 # Meta's Llama 3 pre-tokenisation pattern (tiktoken compiles it in Rust, so \p{..} is fine).
 LLAMA3_PATTERN = (
