@@ -137,7 +137,7 @@ def _check_hf_saves_of_adapters(cfg: JobConfig) -> None:
     if hf and "lora" in cfg.model.converters:
         raise ValueError(f"{hf[0]} writes the model as trained, and --model.converters lora trains adapters that "
                          f"no Hugging Face model holds: keep --checkpoint.last_save full and write the folder from "
-                         f"a step checkpoint with scripts/convert_to_hf.py (adapters merged, or --peft BASE)")
+                         f"a step checkpoint with scripts/checkpoints/convert_to_hf.py (adapters merged, or --peft BASE)")
 
 
 def _check_creatable_folder(folder: str) -> None:

@@ -72,7 +72,7 @@ def test_hf_interval_writes_hub_ready_folders_that_transformers_loads(tmp_path):
     (["--checkpoint.enable", "--checkpoint.hf_interval", "2", "--model.converters", "lora"],
      "--checkpoint.hf_interval 2 writes the model as trained, and --model.converters lora trains adapters"),
     (["--checkpoint.enable", "--checkpoint.last_save", "hf_only", "--model.converters", "lora"],
-     "keep --checkpoint.last_save full and write the folder from a step checkpoint with scripts/convert_to_hf.py"),
+     "keep --checkpoint.last_save full and write the folder from a step checkpoint with scripts/checkpoints/convert_to_hf.py"),
 ])
 def test_bad_hf_saves_are_refused_before_ranks_start(args, message, tmp_path, capsys):
     argv = ["--world-size", "1", "--model.flavor", "debugmodel_tiny", "--job.dump_folder", str(tmp_path / "run")]

@@ -19,7 +19,7 @@ from torchtitan.protocols.train_spec import config_manager
 
 transformers = pytest.importorskip("transformers")
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "checkpoints"))
 import convert_from_hf  # noqa: E402
 import convert_to_hf  # noqa: E402
 import generate  # noqa: E402

@@ -19,7 +19,7 @@ from torchtitan.components.checkpoint.hf_folder import save_hf_folder
 from torchtitan.models.common.qwen3_state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.train import main
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "..", "scripts", sub) for sub in ("checkpoints", "data")]
 import convert_to_hf  # noqa: E402
 
 QWEN3 = ["--model.name", "qwen3", "--model.flavor", "debugmodel", "--training.seq_len", "32",

@@ -97,7 +97,7 @@ def test_hf_to_ours_logits(args, tmp_path):
     with torch.no_grad():
         expected = hf(TOKENS).logits
     hf.save_pretrained(str(tmp_path))
-    # Whole-folder conversion (scripts/convert_from_hf.py's path).
+    # Whole-folder conversion (scripts/checkpoints/convert_from_hf.py's path).
     state, read_args = load_hf_folder(str(tmp_path), Qwen3_5StateDictAdapter, expected=args)
     assert dataclasses.replace(read_args, linear_chunk_size=args.linear_chunk_size) == args  # a setting, not in HF
     model = _ours(args, 2)

@@ -465,7 +465,7 @@ class Memory:
     offload_bandwidth_gbps: float = 0.0
     """Bandwidth (GB/s, each way) of the offload tier the planner prices offload with; 0 = the stated default
     (CPU files: OFFLOAD_BANDWIDTH_CPU; CUDA pinned host: OFFLOAD_BANDWIDTH_CUDA in planning/memory_budget.py).
-    scripts/bench_memory_budget.py measures this machine's."""
+    scripts/benchmarks/bench_memory_budget.py measures this machine's."""
 
 
 @dataclass

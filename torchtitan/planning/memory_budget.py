@@ -51,7 +51,7 @@ RESIDENT_GROUPS = 2
 """Offloaded groups resident at once (see the module docstring)."""
 OFFLOAD_BANDWIDTH_CPU = 1.0
 """GB/s each way of the CPU file tier when not given (--memory.offload_bandwidth_gbps): a conservative local
-SSD figure; scripts/bench_memory_budget.py measures the machine's and passes it."""
+SSD figure; scripts/benchmarks/bench_memory_budget.py measures the machine's and passes it."""
 OFFLOAD_BANDWIDTH_CUDA = 20.0
 """GB/s each way of pinned host memory over PCIe 4/5 x16 (stated, not measured here)."""
 OP_RECOMPUTE_FRACTION = 0.1

@@ -2,7 +2,7 @@
 
 The manifest's sizes catch a truncated or lost file; a byte flipped on disk keeps the size and loads as wrong
 weights. Each file's CRC-32 (zlib.crc32: the fastest of the hashes Python ships here, see
-scripts/bench_checkpoint_checksums.py; it detects every burst error up to 32 bits and any other change with
+scripts/benchmarks/bench_checkpoint_checksums.py; it detects every burst error up to 32 bits and any other change with
 probability 1 - 2^-32, which is what bit rot and torn copies need; it is no defence against tampering) is
 computed from the bytes as they go to the stream, so the file is never read back at save time:
 

@@ -25,7 +25,7 @@ The action, by --guard.action: `skip` the optimizer update of that step (the LR 
 advance as they would), or `rollback` to the last complete checkpoint and skip the offending step's data window
 (the trainer does both). Every event is a metrics.jsonl row (guard/...) and one log line naming the step, the
 value and the action; past --guard.max_events the run stops with one line. docs/reliability.md has the figures
-(scripts/guard_trace.py: clean runs give no event at any window, a 1e4x gradient is caught at every window).
+(scripts/diagnostics/guard_trace.py: clean runs give no event at any window, a 1e4x gradient is caught at every window).
 
 Every rank decides the same: the values are the global loss (summed over data-parallel ranks) and the global
 gradient norm, reduced once more with MAX over all ranks (a pipeline stage without the loss holds 0), with

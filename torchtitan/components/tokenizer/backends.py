@@ -1,7 +1,7 @@
 """Tokenizers: one interface over tiktoken (Llama 3 format), SentencePiece and Hugging Face files.
 
 ``build_tokenizer(None)`` returns the byte-level BPE tokenizer shipped with torchtitan (trained
-by ``scripts/train_tokenizer.py`` on the shipped corpus); a path picks the backend from the
+by ``scripts/data/train_tokenizer.py`` on the shipped corpus); a path picks the backend from the
 file name or content.
 """
 
