@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.init import trunc_normal
 from torchtitan.models.common.rope import apply_rope_half
 
 
@@ -34,10 +35,6 @@ class ZeroCenteredRMSNorm(nn.Module):
         return (out * (1.0 + self.weight.float())).type_as(x)
 
 
-def _trunc_normal(weight: torch.Tensor, std: float) -> None:
-    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
-
-
 class GatedAttention(nn.Module):
     """`args` needs dim, n_heads, n_kv_heads, head_dim, norm_eps and rotary_dim (the RoPE table's width)."""
 
@@ -55,8 +52,8 @@ class GatedAttention(nn.Module):
 
     def init_weights(self, out_std: float) -> None:
         for w in (self.wq, self.wk, self.wv):
-            _trunc_normal(w.weight, 0.02)
-        _trunc_normal(self.wo.weight, out_std)
+            trunc_normal(w.weight, 0.02)
+        trunc_normal(self.wo.weight, out_std)
         self.q_norm.reset_parameters()
         self.k_norm.reset_parameters()
 

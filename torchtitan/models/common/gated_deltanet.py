@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan.models.common.gated_delta_rule import chunk_gated_delta_rule, l2norm
+from torchtitan.models.common.init import trunc_normal
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -175,10 +176,6 @@ class HeadRMSNorm(nn.Module):
         return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
 
 
-def _trunc_normal(weight: torch.Tensor, std: float) -> None:
-    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
-
-
 class GatedDeltaNet(nn.Module):
     """The linear-attention token mixer. `args` needs dim, norm_eps and the linear_* fields of Qwen3.5's args
     (num key/value heads, key/value head dims, conv kernel, chunk size)."""
@@ -204,8 +201,8 @@ class GatedDeltaNet(nn.Module):
 
     def init_weights(self, out_std: float) -> None:
         for w in (self.in_proj_q, self.in_proj_k, self.in_proj_v, self.in_proj_z, self.in_proj_b, self.in_proj_a):
-            _trunc_normal(w.weight, 0.02)
-        _trunc_normal(self.out_proj.weight, out_std)
+            trunc_normal(w.weight, 0.02)
+        trunc_normal(self.out_proj.weight, out_std)
         self.conv.init_weights()
         self.decay.init_weights()
         self.norm.reset_parameters()
