@@ -6,7 +6,7 @@
 #   MAX_RESTARTS restart a failed run up to this many times, each resuming from the last complete checkpoint
 #                (default: 0); SAME_FAILURE_LIMIT: stop once this many attempts in a row failed the same way (3)
 # Extra arguments are passed to the trainer, e.g. ./run_train.sh --training.steps 20
-# Multi-node: scripts/multinode_trainer.slurm.
+# Multi-node: scripts/slurm/multinode_trainer.slurm.
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/ensure_env.sh

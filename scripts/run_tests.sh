@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/ensure_env.sh test
-scripts/ensure_slurm.sh  # on CI as root: Slurm for the slurm-marked test (it skips without)
+scripts/slurm/ensure_slurm.sh  # on CI as root: Slurm for the slurm-marked test (it skips without)
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
 # --durations: every run ends with its 10 slowest tests, so a test that starts to crawl shows up at once.
 exec "$PYTHON" -m pytest -q --durations=10 "$@"

@@ -12,8 +12,8 @@ would, so without a seed checkpoint two layouts start from different (equally va
 import os
 import sys
 
-from torchtitan.components.checkpoint import CheckpointError, write_model_checkpoint
-from torchtitan.components.offline_model import build_cpu_model
+from torchtitan.components.checkpoint.manager import CheckpointError, write_model_checkpoint
+from torchtitan.components.checkpoint.offline_model import build_cpu_model
 from torchtitan.config import ConfigError
 from torchtitan.protocols.train_spec import config_manager
 from torchtitan.tools.precision import DTYPES

@@ -1,7 +1,7 @@
 """The errors a user can cause and fix: each is reported as one line and a non-zero exit, never a traceback."""
 
-from torchtitan.components.checkpoint import CheckpointError
-from torchtitan.components.training_error import TrainingError
+from torchtitan.components.checkpoint.manager import CheckpointError
+from torchtitan.components.faults.training_error import TrainingError
 from torchtitan.config import ConfigError
 from torchtitan.datasets.sources import DataSourceError
 from torchtitan.distributed.parallel_dims import LayoutError

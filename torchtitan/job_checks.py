@@ -10,8 +10,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from torchtitan.components.lr_scheduler import check_schedule
-from torchtitan.components.step_guard import check_guard_config
+from torchtitan.components.optim.lr_scheduler import check_schedule
+from torchtitan.components.faults.step_guard import check_guard_config
 from torchtitan.config import JobConfig
 from torchtitan.datasets.dataloader import check_shard_folder, is_dataset_name, parse_mixture
 from torchtitan.datasets.schedule import mixture_schedule
@@ -137,7 +137,7 @@ def _check_hf_saves_of_adapters(cfg: JobConfig) -> None:
     if hf and "lora" in cfg.model.converters:
         raise ValueError(f"{hf[0]} writes the model as trained, and --model.converters lora trains adapters that "
                          f"no Hugging Face model holds: keep --checkpoint.last_save full and write the folder from "
-                         f"a step checkpoint with scripts/convert_to_hf.py (adapters merged, or --peft BASE)")
+                         f"a step checkpoint with scripts/checkpoints/convert_to_hf.py (adapters merged, or --peft BASE)")
 
 
 def _check_creatable_folder(folder: str) -> None:

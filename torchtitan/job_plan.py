@@ -16,11 +16,11 @@ import os
 import torch
 import torch.nn as nn
 
-from torchtitan.components.hf_folder import check_weight_shapes, weight_shapes
-from torchtitan.components.muon import check_muon_config
+from torchtitan.components.checkpoint.hf_folder import check_weight_shapes, weight_shapes
+from torchtitan.components.optim.muon import check_muon_config
 from torchtitan.components.quantization import ModelConverters, build_model_converters
 from torchtitan.config import JobConfig
-from torchtitan.components.optimizer_offload import check_optimizer_offload
+from torchtitan.components.optim.optimizer_offload import check_optimizer_offload
 from torchtitan.distributed.activation_checkpoint import check_ac_config, check_block_choices
 from torchtitan.distributed.compile import check_compile_config, check_compile_layout, compiles
 from torchtitan.distributed.compile_auto import CompileChoice, resolve_compile_auto

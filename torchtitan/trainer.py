@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torchtitan.components import checkpoint as ckpt
+from torchtitan.components.checkpoint import manager as ckpt
 from torchtitan.components.loss import (
     IGNORE_INDEX,
     loss_value,
@@ -29,8 +29,8 @@ from torchtitan.components.loss import (
     token_and_mtp_loss,
 )
 from torchtitan.components.metrics import MetricsLogger, throughput_metrics
-from torchtitan.components.replica_check import ReplicaCheck
-from torchtitan.components.step_guard import StepGuard
+from torchtitan.components.faults.replica_check import ReplicaCheck
+from torchtitan.components.faults.step_guard import StepGuard
 from torchtitan.components.train_state import TrainState
 from torchtitan.config import JobConfig
 from torchtitan.config.manager import save_config, to_toml
@@ -137,7 +137,7 @@ class Trainer:
         # ---- optimization state -------------------------------------------------------------------------
         self.optimizers = self.spec.build_optimizers_fn(self.model_parts, cfg.optimizer, pd)
         if cfg.memory.offload_optimizer:  # optimizer state in files between steps (checked in plan_job)
-            from torchtitan.components.optimizer_offload import OffloadedOptimizerState
+            from torchtitan.components.optim.optimizer_offload import OffloadedOptimizerState
 
             self.optimizers.state_offload = [OffloadedOptimizerState(m, cfg.memory.offload_dir)
                                              for m in self.model_parts]

@@ -5,7 +5,7 @@ checks that both kernels agree (forward and gradients) and times forward + backw
 
     python scripts/gpu/bench_moe.py                       # 30B-A3B layer
     python scripts/gpu/bench_moe.py --experts 256 --dim 7168 --hidden 2048 --tokens 4096   # V3 671B layer
-Expert parallel over NCCL: scripts/gpu/run_checks.sh runs scripts/bench_moe.py when it sees >= 2 GPUs.
+Expert parallel over NCCL: scripts/gpu/run_checks.sh runs scripts/benchmarks/bench_moe.py when it sees >= 2 GPUs.
 """
 
 import argparse

@@ -39,6 +39,6 @@ NGPU=1 ./run_train.sh --job.dump_folder "$OUT/doc_masking_cuda" --training.steps
 "$PYTHON" scripts/gpu/bench_moe.py 2>&1 | tail -8 | tee "$OUT/moe_grouped_gemm.txt"
 NGPUS=$(nvidia-smi -L | wc -l)
 if [ "$NGPUS" -ge 2 ]; then
-    "$PYTHON" scripts/bench_moe.py --ngpu "$NGPUS" --ep "$NGPUS" --extra --training.mixed_precision_param=bfloat16 \
+    "$PYTHON" scripts/benchmarks/bench_moe.py --ngpu "$NGPUS" --ep "$NGPUS" --extra --training.mixed_precision_param=bfloat16 \
         2>&1 | tail -6 | tee "$OUT/moe_ep_nccl.txt"
 fi

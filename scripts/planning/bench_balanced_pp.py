@@ -4,7 +4,7 @@
 
 Prediction: module FLOPs (torchtitan/distributed/balance.py module_flops) summed per stage for both splits;
 the ratio of the slowest stages. Measurement: the real trainer, PP 2 over gloo, 1F1B, fp32, rounds
-interleaved; median step time of the steps after the first two (scripts/bench_pipeline.py step_times),
+interleaved; median step time of the steps after the first two (scripts/benchmarks/bench_pipeline.py step_times),
 and, in a second run of each, the busiest rank's CPU seconds per step (robust to a shared machine's load).
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts" / "benchmarks")]
 
 from bench_pipeline import step_times  # noqa: E402
 

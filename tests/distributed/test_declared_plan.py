@@ -13,7 +13,7 @@ import torch.nn as nn
 from tests.distributed.test_parity_2d import assert_parity
 from tests.distributed.trainer_runs import curves, train
 from torchtitan.components.loss import build_cross_entropy_loss
-from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.components.tokenizer.backends import build_tokenizer
 from torchtitan.datasets.dataloader import build_text_dataloader
 from torchtitan.distributed.pipeline import pipeline_model
 from torchtitan.distributed.parallelize import (

@@ -26,7 +26,7 @@ import torch
 from tests.distributed.test_parity_2d import assert_parity
 from tests.distributed.trainer_runs import curves, read_metrics, train
 from tests.multiprocess import free_port
-from torchtitan.components import checkpoint_folders as folders
+from torchtitan.components.checkpoint import folders
 
 pytestmark = [pytest.mark.distributed, pytest.mark.e2e]
 

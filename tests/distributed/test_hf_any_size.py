@@ -140,7 +140,7 @@ def _check_index_layout(folder: str) -> None:
 
 
 def test_every_family_in_and_out_under_fsdp_tp(tmp_path):
-    from torchtitan.components.tokenizer import build_tokenizer
+    from torchtitan.components.tokenizer.backends import build_tokenizer
 
     cases, expected_in = [], {}
     for name, (model_name, _, _, extra) in CASES.items():

@@ -24,7 +24,7 @@ LAYOUTS = {
 
 
 def _probe(trainer) -> dict:
-    from torchtitan.components.checkpoint import base_fingerprint
+    from torchtitan.components.checkpoint.manager import base_fingerprint
 
     parts = trainer.model_parts
     adapters = {id(p) for m in parts for n, p in m.named_parameters() if n.rsplit(".", 1)[-1] in ("lora_a", "lora_b")}

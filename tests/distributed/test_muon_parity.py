@@ -1,7 +1,7 @@
 """Muon under FSDP, TP and EP equals Muon in one process, with each matrix's Newton-Schulz done once.
 
 Newton-Schulz needs each whole matrix; torchtitan gathers each sharded update to one owner rank of its
-mesh, which orthogonalises it and scatters the result back (torchtitan/components/muon_distributed.py).
+mesh, which orthogonalises it and scatters the result back (torchtitan/components/optim/muon_distributed.py).
 Proved three ways:
 - the trainer, fp32, same seed and batches (tests/distributed/trainer_runs.py): FSDP 2 and TP 2 x FSDP 2
   log the same per-step loss and grad norm as one process, within the 2D parity tests' tolerances (loss
@@ -42,7 +42,7 @@ def reference(tmp_path_factory):
 
 def _ns_work(trainer):
     """(this rank's Newton-Schulz FLOPs over the run, one process's FLOPs per step, the largest matrix's)."""
-    from torchtitan.components.muon_distributed import ns_flops
+    from torchtitan.components.optim.muon_distributed import ns_flops
 
     (optimizer,) = trainer.optimizers.optimizers
     shapes = [tuple(p.shape) for g in optimizer.param_groups if g["use_muon"] for p in g["params"]]
@@ -87,7 +87,7 @@ def _orthogonalise_local_shard_only(rank, world_size):
     whole matrix (no gather)."""
     from torch.distributed.tensor import DTensor
 
-    from torchtitan.components.muon_distributed import DistributedOrthogonaliser
+    from torchtitan.components.optim.muon_distributed import DistributedOrthogonaliser
 
     def local_only(self, updates, steps, ns):
         return [DTensor.from_local(ns(u.to_local()), u.device_mesh, u.placements, run_check=False,
@@ -108,8 +108,8 @@ def _orthogonalise_on_mesh(rank, world_size):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from torchtitan.components.muon import newton_schulz
-    from torchtitan.components.muon_distributed import DistributedOrthogonaliser
+    from torchtitan.components.optim.muon import newton_schulz
+    from torchtitan.components.optim.muon_distributed import DistributedOrthogonaliser
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
     updates, expected = [], []

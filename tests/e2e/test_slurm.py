@@ -1,11 +1,11 @@
-"""scripts/multinode_trainer.slurm on a real Slurm: a cluster of 2 emulated nodes on this host (munged,
+"""scripts/slurm/multinode_trainer.slurm on a real Slurm: a cluster of 2 emulated nodes on this host (munged,
 slurmctld and 2 slurmd from a generated slurm.conf, see tests/slurm_cluster.py) runs the project's sbatch
 script for the debug recipe (tiny flavor, fp32, 4 steps), 1 process per node.
 
 Checks what a user checks: the job COMPLETED with exit code 0, its metrics.jsonl has every step with finite
 losses that match a single-process run of the same global batch (within the 2D-parity tolerances: the job
 trains FSDP over 2 ranks), its output and rank logs are named by job id, and the restart budget reached
-torchrun. Skips when Slurm or munge is missing (scripts/ensure_slurm.sh installs them on CI) or not root.
+torchrun. Skips when Slurm or munge is missing (scripts/slurm/ensure_slurm.sh installs them on CI) or not root.
 """
 
 import json
@@ -40,7 +40,7 @@ TRAINER_ARGS = [
 def _skip_reason() -> str | None:
     missing = missing_programs()
     if missing:
-        return f"Slurm/munge not installed (missing {', '.join(missing)}; scripts/ensure_slurm.sh installs them)"
+        return f"Slurm/munge not installed (missing {', '.join(missing)}; scripts/slurm/ensure_slurm.sh installs them)"
     if os.geteuid() != 0:
         return "a local Slurm cluster needs root (slurmd)"
     return None
@@ -76,7 +76,7 @@ def test_sbatch_script_trains_the_debug_model_on_two_nodes(tmp_path):
                "MASTER_PORT": str(free_port()), "LOG_DIR": str(tmp_path / "logs"), "OMP_NUM_THREADS": "1"}
         submit = subprocess.run(
             ["sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1",
-             f"--output={tmp_path}/slurm-%x-%j.out", "scripts/multinode_trainer.slurm",
+             f"--output={tmp_path}/slurm-%x-%j.out", "scripts/slurm/multinode_trainer.slurm",
              *TRAINER_ARGS, "--training.local_batch_size", "2", "--job.dump_folder", str(dump)],
             cwd=REPO, env=env, capture_output=True, text=True,
         )  # fmt: skip

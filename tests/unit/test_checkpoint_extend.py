@@ -12,7 +12,7 @@ import os
 import pytest
 
 from tests.unit.checkpoint_helpers import inventory, run
-from torchtitan.components.lr_scheduler import lr_factor
+from torchtitan.components.optim.lr_scheduler import lr_factor
 
 # Step 10 is not a multiple of the interval: only the last save can be resumed from.
 SAVE = ["--checkpoint.enable", "--checkpoint.interval", "4"]

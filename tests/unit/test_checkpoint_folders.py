@@ -3,8 +3,8 @@ version store: milestones, readers' leases, interrupted removals)."""
 
 import os
 
-from torchtitan.components import checkpoint_folders as folders
-from torchtitan.components.checkpoint_checksums import file_checksum
+from torchtitan.components.checkpoint import folders
+from torchtitan.components.checkpoint.checksums import file_checksum
 
 
 def fake_checkpoint(root, step, payload=b"x" * 100, complete=True):

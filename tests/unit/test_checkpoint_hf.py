@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 
 from tests.unit.checkpoint_helpers import inventory, losses, run
 from tests.unit.test_state_dict_adapter import hf_llama_forward
-from torchtitan.components.checkpoint import CheckpointError
-from torchtitan.components.offline_model import build_cpu_model, job_config_of, load_model_weights
+from torchtitan.components.checkpoint.manager import CheckpointError
+from torchtitan.components.checkpoint.offline_model import build_cpu_model, job_config_of, load_model_weights
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "checkpoints"))
 import convert_from_hf  # noqa: E402
 import convert_to_hf  # noqa: E402
 import generate  # noqa: E402

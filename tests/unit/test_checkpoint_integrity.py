@@ -8,8 +8,8 @@ import os
 import shutil
 
 from tests.unit.checkpoint_helpers import losses, run
-from torchtitan.components import checkpoint_folders as folders
-from torchtitan.components.checkpoint_checksums import file_checksum
+from torchtitan.components.checkpoint import folders
+from torchtitan.components.checkpoint.checksums import file_checksum
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "checkpoint_v0")
 with open(os.path.join(FIXTURE, "expected.json")) as f:

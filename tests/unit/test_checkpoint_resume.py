@@ -12,10 +12,10 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from tests.unit.checkpoint_helpers import inventory, losses, run
-from torchtitan.components import checkpoint_folders as folders
-from torchtitan.components.checkpoint import CheckpointError, CheckpointManager, RNGState
-from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.checkpoint import folders
+from torchtitan.components.checkpoint.manager import CheckpointError, CheckpointManager, RNGState
+from torchtitan.components.optim.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optim.optimizer import build_optimizers
 from torchtitan.protocols.train_spec import config_manager
 from torchtitan.components.train_state import TrainState
 
@@ -54,7 +54,7 @@ def test_bf16_export_loads_as_initial_weights(done_run, tmp_path):
     assert run(tmp_path / "a", "--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "5",
                "--checkpoint.last_save", "export_only", "--checkpoint.export_dtype", "bfloat16") == 0
     export = tmp_path / "a" / "checkpoint" / "export-step-2"
-    from torchtitan.components.checkpoint import read_dcp_metadata
+    from torchtitan.components.checkpoint.manager import read_dcp_metadata
 
     meta = read_dcp_metadata(str(export)).state_dict_metadata
     assert meta["model.output.weight"].properties.dtype == torch.bfloat16
@@ -251,7 +251,7 @@ def test_data_position_saved_right_after_a_load_is_the_loaded_one():
     """A save between loading and the next step (e.g. preemption at once) must not mix in the old iterator's
     count (it used to report a mid-batch position that no layout could load)."""
     from tests.unit.test_packing import ListSource
-    from torchtitan.components.tokenizer import build_tokenizer
+    from torchtitan.components.tokenizer.backends import build_tokenizer
     from torchtitan.datasets.packing import GlobalBatchSlicer, TextWindows
 
     docs = TextWindows(ListSource([f"document number {i} " * 5 for i in range(40)]), build_tokenizer(None), 9, "loop")

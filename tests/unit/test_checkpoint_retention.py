@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from tests.unit.checkpoint_helpers import TINY, run
-from torchtitan.components import checkpoint_folders as folders
+from torchtitan.components.checkpoint import folders
 
 TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "fixtures", "checkpoint_v0", "bytes.tiktoken")
 RETAIN = ["--model.tokenizer_path", TOKENIZER, "--checkpoint.enable", "--checkpoint.interval", "1",

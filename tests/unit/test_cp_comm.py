@@ -1,5 +1,5 @@
 """The CP methods' communication: the formulas of planning/cp_comm.py equal the bytes the kernels' collectives
-carry (counted by scripts/bench_cp_methods.py's wrapper, rank 0 of a fake 4-rank world), and the planner
+carry (counted by scripts/benchmarks/bench_cp_methods.py's wrapper, rank 0 of a fake 4-rank world), and the planner
 picks the method the time model prefers and writes it into the recipe."""
 
 import importlib.util
@@ -10,7 +10,7 @@ import pytest
 from torchtitan.planning.cp_comm import cp_block_time, cp_bytes_per_layer, cp_options
 from torchtitan.planning.hardware import FLAT_NETWORK, get_device
 
-_BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench_cp_methods.py"
+_BENCH = Path(__file__).resolve().parents[2] / "scripts" / "benchmarks" / "bench_cp_methods.py"
 
 
 def _bench():

@@ -18,7 +18,7 @@ from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs  # noqa: E402
 from torchtitan.models.deepseek_v3.model import DeepSeekV3Model  # noqa: E402
 from torchtitan.models.deepseek_v3.state_dict_adapter import FP8_MESSAGE, DeepSeekV3StateDictAdapter  # noqa: E402
 from torchtitan.components.moe import MoEArgs  # noqa: E402
-from torchtitan.components.hf_folder import load_hf_folder, save_hf_folder  # noqa: E402
+from torchtitan.components.checkpoint.hf_folder import load_hf_folder, save_hf_folder  # noqa: E402
 
 ARGS = DeepSeekV3ModelArgs(
     vocab_size=96, dim=32, inter_dim=48, n_layers=3, n_dense_layers=1, n_heads=4,
@@ -127,7 +127,7 @@ def test_mtp_layer_loads_and_saves_back_bit_exact(tmp_path):
     tensors back, bit for bit, under the same names."""
     from safetensors.torch import load_file
 
-    from torchtitan.components.hf_folder import load_hf_into
+    from torchtitan.components.checkpoint.hf_folder import load_hf_into
 
     args = dataclasses.replace(ARGS, mtp_depth=1)
     src, out = tmp_path / "src", tmp_path / "out"

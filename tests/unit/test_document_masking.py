@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import torchtitan.models.common.attention as attention
-from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.components.tokenizer.backends import build_tokenizer
 from torchtitan.protocols.documents import document_ids_from_bos, positions_in_documents
 from torchtitan.datasets.packing import SampleFeatures, Window, make_sample
 from torchtitan.models.llama3.args import TransformerModelArgs

@@ -135,8 +135,8 @@ def test_a_rank_that_does_not_fit_the_device_is_an_error(capsys):
 def test_muon_optimizer_bytes_and_step_workspace_per_rank():
     """Muon keeps one momentum buffer per matrix (no step), AdamW's states for the rest; its step needs the
     gathered matrices the rank owns, which shrink with the world (owner_bytes' 1/N + largest)."""
-    from torchtitan.components.muon import default_is_muon_param
-    from torchtitan.components.muon_distributed import ns_workspace_bytes, owner_bytes
+    from torchtitan.components.optim.muon import default_is_muon_param
+    from torchtitan.components.optim.muon_distributed import ns_workspace_bytes, owner_bytes
 
     report = dry_run(cfg("--optimizer.name", "Muon"), world_size=1)
     from torchtitan.models.llama3 import Transformer

@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 
 from torchtitan.components.loss import build_cross_entropy_loss
-from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.optimizer import OptimizersContainer
-from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.components.optim.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optim.optimizer import OptimizersContainer
+from torchtitan.components.tokenizer.backends import build_tokenizer
 from torchtitan.config import ConfigError
 from torchtitan.protocols.train_spec import config_manager
 from torchtitan.datasets.dataloader import build_text_dataloader

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
-from torchtitan.components.hf_folder import load_hf_folder, save_hf_folder  # noqa: E402
+from torchtitan.components.checkpoint.hf_folder import load_hf_folder, save_hf_folder  # noqa: E402
 from torchtitan.models.gpt_oss.args import FULL, SLIDING, GptOssModelArgs, gpt_oss_moe  # noqa: E402
 from torchtitan.models.gpt_oss.flavors import gpt_oss_flavors  # noqa: E402
 from torchtitan.models.gpt_oss.model import GptOss  # noqa: E402
@@ -169,7 +169,7 @@ def test_mxfp4_folder_loads_to_transformers_dequantized_values(tmp_path):
 
 def test_mxfp4_reads_only_the_requested_experts(tmp_path):
     """A rank holding experts 2..3 of down_proj (EP 2) reads only their blocks and scales."""
-    from torchtitan.components.hf_folder import SliceReader
+    from torchtitan.components.checkpoint.hf_folder import SliceReader
 
     _hf_model().save_pretrained(str(tmp_path))
     expected = _quantize_folder(tmp_path)

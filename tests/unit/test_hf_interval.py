@@ -14,8 +14,8 @@ import torch
 
 from tests.unit.checkpoint_helpers import run
 from torchtitan import preflight
-from torchtitan.components import checkpoint_folders as folders
-from torchtitan.components.offline_model import build_cpu_model, job_config_of, load_model_weights
+from torchtitan.components.checkpoint import folders
+from torchtitan.components.checkpoint.offline_model import build_cpu_model, job_config_of, load_model_weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,7 +51,7 @@ def test_hf_interval_writes_hub_ready_folders_that_transformers_loads(tmp_path):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     assert not torch.allclose(_hf(str(root / "hf-step-4")), got), "hf-step-4 holds the same weights as hf-step-2"
 
-    from torchtitan.components.tokenizer import build_tokenizer
+    from torchtitan.components.tokenizer.backends import build_tokenizer
 
     sample = "def walk(top):\n    \"\"\"Directory tree generator.\"\"\"  12 été"
     hf_tok = transformers.AutoTokenizer.from_pretrained(root / "hf-step-2")
@@ -72,7 +72,7 @@ def test_hf_interval_writes_hub_ready_folders_that_transformers_loads(tmp_path):
     (["--checkpoint.enable", "--checkpoint.hf_interval", "2", "--model.converters", "lora"],
      "--checkpoint.hf_interval 2 writes the model as trained, and --model.converters lora trains adapters"),
     (["--checkpoint.enable", "--checkpoint.last_save", "hf_only", "--model.converters", "lora"],
-     "keep --checkpoint.last_save full and write the folder from a step checkpoint with scripts/convert_to_hf.py"),
+     "keep --checkpoint.last_save full and write the folder from a step checkpoint with scripts/checkpoints/convert_to_hf.py"),
 ])
 def test_bad_hf_saves_are_refused_before_ranks_start(args, message, tmp_path, capsys):
     argv = ["--world-size", "1", "--model.flavor", "debugmodel_tiny", "--job.dump_folder", str(tmp_path / "run")]

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from torchtitan.components.hf_folder import load_hf_folder, save_hf_folder
+from torchtitan.components.checkpoint.hf_folder import load_hf_folder, save_hf_folder
 from torchtitan.config import ConfigError, save_config
 from torchtitan.job_plan import plan_job
 from torchtitan.protocols.model_shape import resolve_model
@@ -19,7 +19,7 @@ from torchtitan.protocols.train_spec import config_manager
 
 transformers = pytest.importorskip("transformers")
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "checkpoints"))
 import convert_from_hf  # noqa: E402
 import convert_to_hf  # noqa: E402
 import generate  # noqa: E402

@@ -10,13 +10,13 @@ import os
 import pytest
 import torch
 
-from torchtitan.components.checkpoint import CheckpointError
-from torchtitan.components.offline_model import load_model_weights
+from torchtitan.components.checkpoint.manager import CheckpointError
+from torchtitan.components.checkpoint.offline_model import load_model_weights
 from torchtitan.models.llama3.args import RopeScalingArgs, TransformerModelArgs
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.protocols.state_dict_adapter import HFConfigMismatch
-from torchtitan.components.hf_folder import load_hf_folder, save_hf_folder  # noqa: E402
+from torchtitan.components.checkpoint.hf_folder import load_hf_folder, save_hf_folder  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 

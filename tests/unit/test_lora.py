@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from torchtitan import preflight
-from torchtitan.components.lora_export import load_lora_model
-from torchtitan.components.offline_model import build_cpu_model, job_config_of
-from torchtitan.components.hf_folder import save_hf_folder
+from torchtitan.components.lora.export import load_lora_model
+from torchtitan.components.checkpoint.offline_model import build_cpu_model, job_config_of
+from torchtitan.components.checkpoint.hf_folder import save_hf_folder
 from torchtitan.models.common.qwen3_state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.train import main
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "..", "scripts", sub) for sub in ("checkpoints", "data")]
 import convert_to_hf  # noqa: E402
 
 QWEN3 = ["--model.name", "qwen3", "--model.flavor", "debugmodel", "--training.seq_len", "32",
@@ -153,8 +153,8 @@ def test_peft_export_follows_llamas_rotary_row_order(tmp_path):
     """Llama's HF layout permutes q/k rows (rotate-half vs interleaved RoPE): B's rows must follow."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    from torchtitan.components.lora import add_adapter, lora_modules
-    from torchtitan.components.lora_export import save_merged, save_peft
+    from torchtitan.components.lora.adapters import add_adapter, lora_modules
+    from torchtitan.components.lora.export import save_merged, save_peft
     from torchtitan.models.llama3.args import TransformerModelArgs
     from torchtitan.models.llama3.model import Transformer
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter

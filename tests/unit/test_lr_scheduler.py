@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from torchtitan.components.lr_scheduler import build_lr_schedulers, decay_steps, lr_factor
-from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.optim.lr_scheduler import build_lr_schedulers, decay_steps, lr_factor
+from torchtitan.components.optim.optimizer import build_optimizers
 from torchtitan.config.job_config import LRScheduler, Optimizer
 
 

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.components.tokenizer.backends import build_tokenizer
 from torchtitan.datasets.dataloader import parse_mixture
 from torchtitan.datasets.packing import GlobalBatchSlicer, SampleFeatures, ShardWindows, TextWindows
 from torchtitan.datasets.pretokenize import main as pretokenize

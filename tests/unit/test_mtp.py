@@ -156,7 +156,7 @@ def test_bad_mtp_settings_are_refused_in_one_line_before_any_rank_starts(case, c
 
 
 def test_generation_reads_the_main_logits_only():
-    """scripts/generate.py's sampler gives the same tokens with the MTP module as without it."""
+    """scripts/checkpoints/generate.py's sampler gives the same tokens with the MTP module as without it."""
     from torchtitan.tools.generation import generate
 
     plain = _model(dataclasses.replace(ARGS, mtp_depth=0), perturb_norms=False)

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from tests.unit.checkpoint_helpers import losses, run
-from torchtitan.components import muon
-from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.optim import muon
+from torchtitan.components.optim.optimizer import build_optimizers
 from torchtitan.config.job_config import Optimizer
 
 
@@ -194,7 +194,7 @@ def test_trainer_checkpoint_resume_continues_the_same_run(tmp_path):
     assert run(tmp_path / "straight", *MUON, *ckpt) == 0
     straight = losses(tmp_path / "straight")
     assert len(straight) == 4
-    from torchtitan.components.checkpoint import read_dcp_metadata
+    from torchtitan.components.checkpoint.manager import read_dcp_metadata
 
     step2 = tmp_path / "straight" / "checkpoint" / "step-2"
     keys = read_dcp_metadata(str(step2)).state_dict_metadata

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from torchtitan.components import optimizer as optimizer_module
-from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.optim import optimizer as optimizer_module
+from torchtitan.components.optim.optimizer import build_optimizers
 from torchtitan.config.job_config import Optimizer
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from torchtitan.components.loss import cross_entropy_sum
-from torchtitan.components.optimizer_offload import OffloadedOptimizerState, parameter_chunks
+from torchtitan.components.optim.optimizer_offload import OffloadedOptimizerState, parameter_chunks
 from torchtitan.distributed import activation_offload
 from torchtitan.models.llama3 import Transformer, llama3_flavors
 

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.components.tokenizer.backends import build_tokenizer
 from torchtitan.datasets.packing import GlobalBatchSlicer, TextWindows
 from torchtitan.datasets.sources import DocumentSource
 

@@ -16,7 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from torchtitan.components.hf_folder import load_hf_folder, load_hf_into, save_hf_folder  # noqa: E402
+from torchtitan.components.checkpoint.hf_folder import load_hf_folder, load_hf_into, save_hf_folder  # noqa: E402
 from torchtitan.components.moe import MoEArgs  # noqa: E402
 from torchtitan.models.qwen3_5.args import Qwen3_5ModelArgs, interval_layer_types  # noqa: E402
 from torchtitan.models.qwen3_5.model import Qwen3_5  # noqa: E402
@@ -97,7 +97,7 @@ def test_hf_to_ours_logits(args, tmp_path):
     with torch.no_grad():
         expected = hf(TOKENS).logits
     hf.save_pretrained(str(tmp_path))
-    # Whole-folder conversion (scripts/convert_from_hf.py's path).
+    # Whole-folder conversion (scripts/checkpoints/convert_from_hf.py's path).
     state, read_args = load_hf_folder(str(tmp_path), Qwen3_5StateDictAdapter, expected=args)
     assert dataclasses.replace(read_args, linear_chunk_size=args.linear_chunk_size) == args  # a setting, not in HF
     model = _ours(args, 2)

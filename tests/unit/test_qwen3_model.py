@@ -13,7 +13,7 @@ from torchtitan.job_plan import plan_job
 from torchtitan.models.qwen3 import Qwen3, qwen3_flavors
 from torchtitan.models.common.qwen3_state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.tools.params import count_params
-from torchtitan.components.hf_folder import load_hf_folder, save_hf_folder  # noqa: E402
+from torchtitan.components.checkpoint.hf_folder import load_hf_folder, save_hf_folder  # noqa: E402
 
 # What Qwen's model cards quote: (parameters, non-embedding parameters), in billions, to the digits quoted.
 PUBLISHED = {

@@ -11,7 +11,7 @@ from torchtitan.components.moe import MoEArgs  # noqa: E402
 from torchtitan.models.qwen3_moe.args import Qwen3MoeModelArgs  # noqa: E402
 from torchtitan.models.qwen3_moe.model import Qwen3Moe  # noqa: E402
 from torchtitan.models.qwen3_moe.state_dict_adapter import Qwen3MoeStateDictAdapter  # noqa: E402
-from torchtitan.components.hf_folder import load_hf_folder, save_hf_folder  # noqa: E402
+from torchtitan.components.checkpoint.hf_folder import load_hf_folder, save_hf_folder  # noqa: E402
 
 ARGS = Qwen3MoeModelArgs(
     dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=64, vocab_size=96, max_seq_len=64,

@@ -1,6 +1,7 @@
 """The README's "Layout" section is true to the tree: every folder and .py file it names exists where it says,
-and every folder of the repository root, of torchtitan/, of torchtitan/models/ and of tests/ is named there (a
-new model family or package joins the README when it joins the tree)."""
+and every folder of the repository root, of torchtitan/, of torchtitan/models/, of torchtitan/components/, of
+scripts/ and of tests/ is named there (a new model family or package joins the README when it joins the tree).
+docs/architecture.md's "Where things live" names every package of torchtitan/ and torchtitan/components/."""
 
 import re
 import subprocess
@@ -10,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 FOLDER = re.compile(r"(?<![\w./])([a-z_0-9]+)/(?!\w)")  # `common/`, not the `models` of `models/common`
 PY_FILE = re.compile(r"(?<![\w./])([a-z_0-9]+\.py)\b")
 ENTRY = re.compile(r"([\w.]+/?(?:, [\w.]+/?)*)\s*(.*)")  # `dry_run.py, plan.py entry points: ...`
-FULLY_LISTED = ("torchtitan/models/", "tests/")  # folders whose description names every subfolder
+# folders whose description names every subfolder
+FULLY_LISTED = ("torchtitan/models/", "torchtitan/components/", "scripts/", "tests/")
 
 
 def layout_entries(readme: str) -> dict[str, str]:
@@ -87,3 +89,18 @@ def test_a_stale_layout_is_caught():
     problems = layout_problems(stale)
     assert "torchtitan/models/attention.py does not exist" in problems
     assert "torchtitan/models/common/ is not in the layout" in problems
+
+
+def architecture_problems(page: str) -> list[str]:
+    """Folders of torchtitan/ and torchtitan/components/ that docs/architecture.md's "Where things live" omits."""
+    table = page.split("\n## Where things live\n", 1)[1].split("\n## ", 1)[0]
+    return [f"{folder}{name}/ is not in docs/architecture.md" for folder in ("torchtitan/", "torchtitan/components/")
+            for name in sorted(_subfolders(ROOT / folder)) if f"`{folder}{name}/" not in table]
+
+
+def test_the_architecture_page_names_every_package():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    assert architecture_problems(page) == []
+    # Negative control: the page as it was before components/ had packages.
+    stale = page.replace("`torchtitan/components/checkpoint/`", "`torchtitan/components/checkpoint.py`")
+    assert architecture_problems(stale) == ["torchtitan/components/checkpoint/ is not in docs/architecture.md"]

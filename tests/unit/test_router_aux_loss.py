@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func  # noqa: E402
 
-from torchtitan.components.hf_folder import load_hf_folder  # noqa: E402
+from torchtitan.components.checkpoint.hf_folder import load_hf_folder  # noqa: E402
 from torchtitan.components.moe import MoEArgs  # noqa: E402
 from torchtitan.models.qwen3_moe.args import Qwen3MoeModelArgs  # noqa: E402
 from torchtitan.models.qwen3_moe.model import Qwen3Moe  # noqa: E402

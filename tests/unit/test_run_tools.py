@@ -1,4 +1,4 @@
-"""scripts/plot_metrics.py and scripts/loss_compare.py on metrics.jsonl files written by the trainer's own
+"""scripts/runs/plot_metrics.py and scripts/runs/loss_compare.py on metrics.jsonl files written by the trainer's own
 MetricsLogger."""
 
 import os
@@ -11,7 +11,7 @@ from torchtitan.components.metrics import MetricsLogger
 from torchtitan.config.job_config import Metrics
 from torchtitan.tools.logging import logger
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "runs"))
 import loss_compare  # noqa: E402
 import plot_metrics  # noqa: E402
 

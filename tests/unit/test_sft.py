@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_sum
-from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.components.tokenizer.backends import build_tokenizer
 from torchtitan.config import ConfigManager
 from torchtitan.datasets.chat import tokenize_chat
 from torchtitan.datasets.dataloader import build_text_dataloader

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from torchtitan.components.tokenizer import SHIPPED_TOKENIZER, build_tokenizer
+from torchtitan.components.tokenizer.backends import SHIPPED_TOKENIZER, build_tokenizer
 from torchtitan.config import ConfigManager
 from torchtitan.datasets import shards as shards_mod
 from torchtitan.datasets.dataloader import build_text_dataloader

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from torchtitan.components.hf_folder import load_hf_folder, save_hf_folder
+from torchtitan.components.checkpoint.hf_folder import load_hf_folder, save_hf_folder
 from torchtitan.models.llama3.args import RopeScalingArgs, TransformerModelArgs
 from torchtitan.models.llama3.flavors import llama3_flavors
 from torchtitan.models.llama3.model import Transformer

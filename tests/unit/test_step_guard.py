@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.unit.checkpoint_helpers import run
-from torchtitan.components.step_guard import MIN_WINDOW, StepGuard
+from torchtitan.components.faults.step_guard import MIN_WINDOW, StepGuard
 from torchtitan.config.job_config import Guard
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan.components.tokenizer import (
+from torchtitan.components.tokenizer.backends import (
     SHIPPED_TOKENIZER,
     HuggingFaceTokenizer,
     SentencePieceTokenizer,

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from torchtitan.components.loss import build_cross_entropy_loss
-from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.components.tokenizer.backends import build_tokenizer
 from torchtitan.datasets.dataloader import build_text_dataloader
 from torchtitan.train import main
 from torchtitan.protocols.model import BaseModelArgs

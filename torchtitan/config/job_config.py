@@ -466,7 +466,7 @@ class Memory:
     offload_bandwidth_gbps: float = 0.0
     """Bandwidth (GB/s, each way) of the offload tier the planner prices offload with; 0 = the stated default
     (CPU files: OFFLOAD_BANDWIDTH_CPU; CUDA pinned host: OFFLOAD_BANDWIDTH_CUDA in planning/memory_budget.py).
-    scripts/bench_memory_budget.py measures this machine's."""
+    scripts/benchmarks/bench_memory_budget.py measures this machine's."""
 
     cpu_return_freed: bool = False
     """CPU runs: glibc unmaps every freed block of 128 KiB or more (a fixed mmap threshold instead of its
@@ -476,7 +476,7 @@ class Memory:
 
     offload_optimizer: bool = False
     """CPU: keep the optimizer state in files in --memory.offload_dir between steps and stream it through RAM
-    one block's parameters at a time in each step (components/optimizer_offload.py; bitwise the same
+    one block's parameters at a time in each step (components/optim/optimizer_offload.py; bitwise the same
     training). The budget's planner sets it when parameters + optimizer state break the budget and it is in
     --memory.plan_choices as "optimizer". Not with checkpointing or Muon; on CUDA use
     --training.enable_cpu_offload."""
@@ -571,7 +571,7 @@ class Debug:
 
 @dataclass
 class Guard:
-    """The spike and non-finite guard (components/step_guard.py): every step the global loss and gradient norm
+    """The spike and non-finite guard (components/faults/step_guard.py): every step the global loss and gradient norm
     are judged against the last `window` accepted steps; see docs/reliability.md."""
 
     enable: bool = False
@@ -596,7 +596,7 @@ class Guard:
     """Events allowed in one run; the next one stops it with one line (0: the first event stops it)."""
 
     replica_check_interval: int = 0
-    """Silent-corruption check (components/replica_check.py): every N steps the data-parallel replicas (HSDP's
+    """Silent-corruption check (components/faults/replica_check.py): every N steps the data-parallel replicas (HSDP's
     replicate dim, DDP, the same rank of every torchft replica group) compare a fingerprint of their parameters and optimizer state; 0 = off. Independent of
     `enable`."""
 

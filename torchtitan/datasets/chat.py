@@ -14,7 +14,7 @@ from attending to each other.
 
 from __future__ import annotations
 
-from torchtitan.components.tokenizer import Tokenizer
+from torchtitan.components.tokenizer.backends import Tokenizer
 
 ROLES = ("system", "user", "assistant")
 

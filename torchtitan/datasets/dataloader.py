@@ -5,7 +5,7 @@ from pathlib import Path
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from torchtitan.components.tokenizer import Tokenizer
+from torchtitan.components.tokenizer.backends import Tokenizer
 from torchtitan.config.job_config import JobConfig
 from torchtitan.datasets.packing import (
     ExhaustedPolicy,

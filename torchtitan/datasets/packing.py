@@ -37,7 +37,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.components.tokenizer import Tokenizer
+from torchtitan.components.tokenizer.backends import Tokenizer
 from torchtitan.datasets.chat import tokenize_document
 from torchtitan.datasets.schedule import MixtureSchedule
 from torchtitan.datasets.shards import ShardSet

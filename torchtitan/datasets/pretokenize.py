@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.components.tokenizer.backends import build_tokenizer
 from torchtitan.datasets.chat import tokenize_document
 from torchtitan.datasets.shards import (
     FORMAT,

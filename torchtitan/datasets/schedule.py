@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchtitan.components.lr_scheduler import decay_steps
+from torchtitan.components.optim.lr_scheduler import decay_steps
 from torchtitan.config.job_config import JobConfig
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from torchtitan.components.tokenizer import Tokenizer
+from torchtitan.components.tokenizer.backends import Tokenizer
 
 MANIFEST = "manifest.json"
 FORMAT = "torchtitan-shards-v1"

@@ -13,9 +13,9 @@ Bytes per rank:
   gradients   the same for trainable parameters: FSDP2 keeps sharded gradients in the parameter dtype
   optimizer   Adam/AdamW: exp_avg and exp_avg_sq shaped like each parameter's shard, plus a float32
               `step` per parameter tensor (torch's non-capturable CPU/GPU default); Muon: a momentum
-              buffer per Muon matrix (the default rule, components/muon.py), AdamW's states for the rest
+              buffer per Muon matrix (the default rule, components/optim/muon.py), AdamW's states for the rest
   Muon step   the gathered matrices this rank orthogonalises and the Newton-Schulz temporaries of its
-              largest (components/muon_distributed.py owner_bytes), in the memory estimate
+              largest (components/optim/muon_distributed.py owner_bytes), in the memory estimate
   buffers     non-parameter tensors of the parts (e.g. the RoPE table), replicated on every rank
 """
 
@@ -31,8 +31,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.muon import default_is_muon_param, ns_dtype_for
-from torchtitan.components.muon_distributed import owner_bytes
+from torchtitan.components.optim.muon import default_is_muon_param, ns_dtype_for
+from torchtitan.components.optim.muon_distributed import owner_bytes
 from torchtitan.config import JobConfig
 from torchtitan.errors import USER_ERRORS
 from torchtitan.job_plan import JobPlan, plan_job

@@ -51,7 +51,7 @@ RESIDENT_GROUPS = 2
 """Offloaded groups resident at once (see the module docstring)."""
 OFFLOAD_BANDWIDTH_CPU = 1.0
 """GB/s each way of the CPU file tier when not given (--memory.offload_bandwidth_gbps): a conservative local
-SSD figure; scripts/bench_memory_budget.py measures the machine's and passes it."""
+SSD figure; scripts/benchmarks/bench_memory_budget.py measures the machine's and passes it."""
 OFFLOAD_BANDWIDTH_CUDA = 20.0
 """GB/s each way of pinned host memory over PCIe 4/5 x16 (stated, not measured here)."""
 OP_RECOMPUTE_FRACTION = 0.1
@@ -335,7 +335,7 @@ def _inputs(cfg, plan, flops: float | None, on_gpu: bool | None, mfu: float) -> 
     offloaded, optimizer_seconds = None, 0.0
     if ("optimizer" in cfg.memory.plan_choices and not on_gpu and not cfg.checkpoint.enable
             and cfg.optimizer.name in ("AdamW", "Adam") and state.optimizer):
-        from torchtitan.components.optimizer_offload import RESIDENT_CHUNKS, parameter_chunks
+        from torchtitan.components.optim.optimizer_offload import RESIDENT_CHUNKS, parameter_chunks
 
         # The share of the optimizer state of the RESIDENT_CHUNKS consecutive chunks (blocks and top-level
         # modules, in the order they step) that weigh the most: those are in RAM together.

@@ -1,7 +1,7 @@
 """The base class of a model's Hugging Face adapter: state dicts and configs both ways, and HF folders.
 
 A subclass implements the four conversions and, where to_hf moves elements within a tensor, `hf_layout`;
-folder I/O (safetensors, single or sharded, read and written slice by slice) is components/hf_folder.py.
+folder I/O (safetensors, single or sharded, read and written slice by slice) is components/checkpoint/hf_folder.py.
 `check_hf_config` compares what a folder's config says with the args the job will train, so a folder of
 another model (another shape, rope theta, norm eps, ...) is refused in one line instead of loading into a
 silently different model.

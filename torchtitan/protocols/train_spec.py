@@ -14,8 +14,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.optim.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optim.optimizer import build_optimizers
 from torchtitan.components.validate import build_validator
 from torchtitan.config import ConfigManager
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter

@@ -12,13 +12,13 @@ when absent), on the rank it names (every rank when absent):
     sleep          sleep `seconds` in the middle of `step` (a hang or a straggler; every step when `step`
                    is absent)
     poison_grad    multiply this rank's gradients by `scale` (a number, or "nan") in the middle of `step`: a
-                   poisoned batch, for the spike guard (components/step_guard.py)
+                   poisoned batch, for the spike guard (components/faults/step_guard.py)
     drop_grad      drop every gradient (None) in the middle of `step`, so the optimizer leaves the weights and
                    its state alone: the guard's `skip` without the guard (its reference run)
     kill_in_removal SIGKILL while retention removes the checkpoint of `step` (renamed to .reclaiming, not yet
                    deleted, the store's removal intent written)
     flip_bit       flip bit `bit` (default 0) of the first word of this rank's first parameter shard in the middle
-                   of `step`: silent memory corruption, for the replica check (components/replica_check.py)
+                   of `step`: silent memory corruption, for the replica check (components/faults/replica_check.py)
     skip_data      leave `step`'s data window out of the stream (the batches are read and dropped): the
                    guard's `rollback` without the guard (its reference run)
     scale_lr       multiply the learning rate by `scale` at `step` and every step after it (a run resumed or

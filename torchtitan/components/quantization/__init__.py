@@ -81,6 +81,6 @@ def build_model_converters(job_config: JobConfig, parallel_dims: ParallelDims, d
 
 # Importing a converter module registers it.
 from torchtitan.components.quantization import float8  # noqa: E402,F401
-from torchtitan.components.lora import LoRAConverter  # noqa: E402
+from torchtitan.components.lora.adapters import LoRAConverter  # noqa: E402
 
 register_model_converter("lora", LoRAConverter)  # not quantization, but a converter: registered here

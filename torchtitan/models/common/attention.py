@@ -46,7 +46,7 @@ def document_causal_mask(q_ids: torch.Tensor, k_ids: torch.Tensor, q_pos: torch.
     return (q_ids.unsqueeze(-1) == k_ids.unsqueeze(-2)) & (q_pos.unsqueeze(-1) >= k_pos.unsqueeze(-2))
 
 
-def _blockwise_document_attention(q, k, v, document_ids: torch.Tensor, enable_gqa: bool = False) -> torch.Tensor:
+def _blockwise_document_attention(q, k, v, document_ids: torch.Tensor) -> torch.Tensor:
     seq = q.shape[2]
     starts = document_start_index(document_ids)
     pos = torch.arange(seq, device=q.device)
@@ -56,7 +56,7 @@ def _blockwise_document_attention(q, k, v, document_ids: torch.Tensor, enable_gq
         k0 = int(starts[:, q0].min())  # the block's earliest document start over the batch
         mask = document_causal_mask(document_ids[:, q0:q1], document_ids[:, k0:q1], pos[q0:q1], pos[k0:q1])
         out.append(F.scaled_dot_product_attention(q[:, :, q0:q1], k[:, :, k0:q1], v[:, :, k0:q1],
-                                                  attn_mask=mask.unsqueeze(1), enable_gqa=enable_gqa))
+                                                  attn_mask=mask.unsqueeze(1)))
     return torch.cat(out, dim=2)
 
 

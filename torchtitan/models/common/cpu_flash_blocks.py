@@ -11,7 +11,7 @@ those of the kernel with the sink-inclusive normaliser, and the sinks' own gradi
 
 Saved for backward: q, k, v (as given, kv heads not repeated), the output and the fp32 log-sum-exp, as the
 plain-torch path saves; masks are rebuilt in backward. Measured per case in docs/performance.md
-(`scripts/bench_attention.py`); the shared kernel picks it on CPU in eager mode.
+(`scripts/benchmarks/bench_attention.py`); the shared kernel picks it on CPU in eager mode.
 """
 
 import torch

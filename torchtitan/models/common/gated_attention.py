@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from torchtitan.models.common.attention import ScaledDotProductAttention
-from torchtitan.models.common.decoder_init import trunc_normal_
+from torchtitan.models.common.init import trunc_normal
 from torchtitan.models.common.rope import apply_rope_half
 
 
@@ -52,8 +52,8 @@ class GatedAttention(nn.Module):
 
     def init_weights(self, out_std: float) -> None:
         for w in (self.wq, self.wk, self.wv):
-            trunc_normal_(w.weight, 0.02)
-        trunc_normal_(self.wo.weight, out_std)
+            trunc_normal(w.weight, 0.02)
+        trunc_normal(self.wo.weight, out_std)
         self.q_norm.reset_parameters()
         self.k_norm.reset_parameters()
 

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan.models.common.decoder_init import trunc_normal_
 from torchtitan.models.common.gated_delta_rule import chunk_gated_delta_rule, l2norm
+from torchtitan.models.common.init import trunc_normal
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -201,8 +201,8 @@ class GatedDeltaNet(nn.Module):
 
     def init_weights(self, out_std: float) -> None:
         for w in (self.in_proj_q, self.in_proj_k, self.in_proj_v, self.in_proj_z, self.in_proj_b, self.in_proj_a):
-            trunc_normal_(w.weight, 0.02)
-        trunc_normal_(self.out_proj.weight, out_std)
+            trunc_normal(w.weight, 0.02)
+        trunc_normal(self.out_proj.weight, out_std)
         self.conv.init_weights()
         self.decay.init_weights()
         self.norm.reset_parameters()

@@ -4,12 +4,8 @@ import torch
 from torch import nn
 
 from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.init import trunc_normal
 from torchtitan.models.common.rope import apply_rope_half as apply_rope
-
-
-def _trunc_normal(weight: torch.Tensor, std: float) -> None:
-    # nn.init ops work in place on DTensor parameters, so this also initialises FSDP/TP shards.
-    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
 class QKNormAttention(nn.Module):
@@ -31,8 +27,8 @@ class QKNormAttention(nn.Module):
 
     def init_weights(self, out_std: float) -> None:
         for w in (self.wq, self.wk, self.wv):
-            _trunc_normal(w.weight, 0.02)
-        _trunc_normal(self.wo.weight, out_std)
+            trunc_normal(w.weight, 0.02)
+        trunc_normal(self.wo.weight, out_std)
         self.q_norm.reset_parameters()
         self.k_norm.reset_parameters()
 

@@ -4,7 +4,7 @@ Brings the `moe` config section (balancing) and the aux-loss-free bias update af
 """
 
 from torchtitan.components.loss import build_cross_entropy_loss
-from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.components.tokenizer.backends import build_tokenizer
 from torchtitan.datasets.dataloader import build_text_dataloader
 from torchtitan.distributed.pipeline import pipeline_model
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.init import trunc_normal
 from torchtitan.models.common.mtp import MultiTokenPrediction
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs, yarn_mscale
 from torchtitan.models.common.rope import apply_rope_interleaved as apply_rope
@@ -52,10 +53,6 @@ def yarn_rope_cache(args: DeepSeekV3ModelArgs) -> torch.Tensor:
         freqs = freqs / factor * ramp + freqs * (1 - ramp)
         attention_factor = yarn_mscale(factor, args.mscale) / yarn_mscale(factor, args.mscale_all_dim)
     return rope_table(freqs, args.max_seq_len) * attention_factor
-
-
-def _trunc_normal(weight: torch.Tensor, std: float) -> None:
-    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -89,8 +86,8 @@ class MLA(nn.Module):
             [self.wq] if self.args.q_lora_rank == 0 else [self.wq_a, self.wq_b]
         )
         for w in linears:
-            _trunc_normal(w.weight, 0.02)
-        _trunc_normal(self.wo.weight, out_std)
+            trunc_normal(w.weight, 0.02)
+        trunc_normal(self.wo.weight, out_std)
         self.kv_norm.reset_parameters()
         if self.args.q_lora_rank:
             self.q_norm.reset_parameters()
@@ -181,7 +178,7 @@ class DeepSeekV3Model(nn.Module):
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None:
-            _trunc_normal(self.output.weight, self.model_args.dim**-0.5)
+            trunc_normal(self.output.weight, self.model_args.dim**-0.5)
         if self.mtp is not None:  # last: the main weights draw the same numbers with or without MTP
             self.mtp.init_weights(lambda block: block.init_weights(buffer_device))
 

@@ -167,7 +167,7 @@ def _stored_keys(folder: str) -> set[str] | None:
     when the path holds no weights (a config.json alone)."""
     from safetensors import safe_open
 
-    from torchtitan.components.hf_folder import INDEX, SINGLE
+    from torchtitan.components.checkpoint.hf_folder import INDEX, SINGLE
 
     index, single = os.path.join(folder, INDEX), os.path.join(folder, SINGLE)
     if os.path.isfile(index):

@@ -8,7 +8,7 @@ Brings the `moe` config section and the aux-loss-free bias update after each opt
 from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.moe import update_expert_bias
 from torchtitan.components.moe.args import MoEConfig
-from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.components.tokenizer.backends import build_tokenizer
 from torchtitan.datasets.dataloader import build_text_dataloader
 from torchtitan.distributed.pipeline import pipeline_model
 from torchtitan.models.gpt_oss.args import GptOssModelArgs

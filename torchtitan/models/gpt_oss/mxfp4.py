@@ -34,7 +34,7 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 class Mxfp4Reader:
-    """A SliceReader (components/hf_folder.py) of a folder whose `P_blocks` / `P_scales` pairs read as `P`."""
+    """A SliceReader (components/checkpoint/hf_folder.py) of a folder whose `P_blocks` / `P_scales` pairs read as `P`."""
 
     def __init__(self, reader):
         self.inner, self.folder = reader, reader.folder

@@ -5,7 +5,7 @@ parallelize.py, give the spec a new name, and import the folder from torchtitan/
 """
 
 from torchtitan.components.loss import build_cross_entropy_loss
-from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.components.tokenizer.backends import build_tokenizer
 from torchtitan.datasets.dataloader import build_text_dataloader
 from torchtitan.distributed.pipeline import pipeline_model
 from torchtitan.models.llama3.args import TransformerModelArgs

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.common.attention import ScaledDotProductAttention
-from torchtitan.models.common.decoder_init import init_decoder_weights, trunc_normal_
+from torchtitan.models.common.init import init_decoder_weights, trunc_normal
 from torchtitan.models.common.rope import apply_rope_interleaved as apply_rope
 from torchtitan.models.common.rope import rope_table
 from torchtitan.models.llama3.args import RopeScalingArgs, TransformerModelArgs
@@ -42,10 +42,6 @@ def precompute_rope_cache(
     return rope_table(rope_frequencies(head_dim, theta, scaling), max_seq_len)
 
 
-# nn.init ops work in place on DTensor parameters, so this also initialises FSDP/TP shards.
-_trunc_normal = trunc_normal_
-
-
 class Attention(nn.Module):
     def __init__(self, args: TransformerModelArgs):
         super().__init__()
@@ -58,8 +54,8 @@ class Attention(nn.Module):
 
     def init_weights(self, out_std: float) -> None:
         for w in (self.wq, self.wk, self.wv):
-            _trunc_normal(w.weight, 0.02)
-        _trunc_normal(self.wo.weight, out_std)
+            trunc_normal(w.weight, 0.02)
+        trunc_normal(self.wo.weight, out_std)
 
     def forward(
         self,
@@ -91,9 +87,9 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def init_weights(self, out_std: float) -> None:
-        _trunc_normal(self.w1.weight, 0.02)
-        _trunc_normal(self.w2.weight, out_std)
-        _trunc_normal(self.w3.weight, out_std)
+        trunc_normal(self.w1.weight, 0.02)
+        trunc_normal(self.w2.weight, out_std)
+        trunc_normal(self.w3.weight, out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -6,7 +6,7 @@ builder. docs/adding_a_model.md walks through this folder.
 """
 
 from torchtitan.components.loss import build_cross_entropy_loss
-from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.components.tokenizer.backends import build_tokenizer
 from torchtitan.datasets.dataloader import build_text_dataloader
 from torchtitan.distributed.pipeline import pipeline_model
 from torchtitan.models.common.qwen3_args import Qwen3ModelArgs

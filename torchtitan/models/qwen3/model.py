@@ -20,14 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan.models.common.init import trunc_normal
 from torchtitan.models.common.qk_norm_attention import QKNormAttention
 from torchtitan.models.common.rope import precompute_rope_cache
 from torchtitan.models.common.qwen3_args import Qwen3ModelArgs
-
-
-def _trunc_normal(weight: torch.Tensor, std: float) -> None:
-    # nn.init ops work in place on DTensor parameters, so this also initialises FSDP/TP shards.
-    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
 class FeedForward(nn.Module):
@@ -40,9 +36,9 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def init_weights(self, out_std: float) -> None:
-        _trunc_normal(self.w1.weight, 0.02)
-        _trunc_normal(self.w2.weight, out_std)
-        _trunc_normal(self.w3.weight, out_std)
+        trunc_normal(self.w1.weight, 0.02)
+        trunc_normal(self.w2.weight, out_std)
+        trunc_normal(self.w3.weight, out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -118,7 +114,7 @@ class Qwen3(nn.Module):
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None:
-            _trunc_normal(self.output.weight, self.model_args.dim**-0.5)
+            trunc_normal(self.output.weight, self.model_args.dim**-0.5)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: [B, S] ids, or [B, S, dim] hidden states on a stage without tok_embeddings.

@@ -5,7 +5,7 @@ attention in every 4th (per `layer_types`), a SwiGLU or an MoE with a gated shar
 from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.moe import update_expert_bias
 from torchtitan.components.moe.args import MoEConfig
-from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.components.tokenizer.backends import build_tokenizer
 from torchtitan.datasets.dataloader import build_text_dataloader
 from torchtitan.distributed.pipeline import pipeline_model
 from torchtitan.models.qwen3_5.args import Qwen3_5ModelArgs

@@ -17,7 +17,7 @@ from torch import nn
 from torchtitan.components.moe import MoE, MoEOutput
 from torchtitan.components.moe.moe import SwiGLU, add_layer_stats
 from torchtitan.models.common.gated_attention import GatedAttention, ZeroCenteredRMSNorm
-from torchtitan.models.common.decoder_init import init_decoder_weights
+from torchtitan.models.common.init import init_decoder_weights
 from torchtitan.models.common.gated_deltanet import GatedDeltaNet
 from torchtitan.models.common.rope import precompute_rope_cache
 from torchtitan.models.qwen3_5.args import Qwen3_5ModelArgs

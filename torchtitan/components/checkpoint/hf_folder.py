@@ -1,0 +1,437 @@
+"""Hugging Face model folders read and written slice by slice, so no rank ever holds the whole model.
+
+Reading: each rank reads, with safetensors' slicing (`safe_open(...).get_slice`), only the part of each HF
+tensor that its own shards of the model hold (the box DTensor reports for it), through the adapter's
+`hf_layout` (a rename, experts split along dim 0, or rows permuted within heads, for which the whole heads
+covering the box are read). Single files and index-sharded folders alike.
+
+Writing (`save_hf_folder`): every rank casts its own slices to the export dtype and writes them, in parts of
+at most PART_BYTES, under `<folder>/sharded/<file>/`; then torch's DCP consolidation
+(torch.distributed.checkpoint._consolidate_hf_safetensors, what HuggingFaceStorageWriter uses) stitches the
+parts of each output file, one tensor at a time, on the rank that owns that file. The output has
+save_pretrained's layout: `model.safetensors`, or `model-0000i-of-0000n.safetensors` + the index when the
+size limit splits it, with config.json, generation_config.json and the tokenizer files. Peak memory per
+rank: its slices (1/N of the model) + one part + one whole tensor (consolidation), plus a constant.
+"""
+
+import json
+import math
+import os
+import re
+import shutil
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.checkpoint._consolidate_hf_safetensors import _consolidate_safetensors_files
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from torchtitan.protocols.state_dict_adapter import HFLayout, StateDictAdapter
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+PART_BYTES = 64 * 2**20
+"""A rank's slices are written in parts of at most this many bytes (plus one tensor): the constant of the
+save's memory bound."""
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default max_shard_size ("5GB")
+
+
+class HFFolderError(ValueError):
+    """An HF folder that cannot be read or written; the message names the file and the fix."""
+
+
+# ---- reading -----------------------------------------------------------------------------------------------
+
+
+def weight_files(folder: str) -> dict[str, str]:
+    """HF tensor name -> the safetensors file holding it, checked: the index's files exist, every file's
+    header is readable and its tensors lie within the file (a truncated download is caught here)."""
+    index = os.path.join(folder, INDEX)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise HFFolderError(f"{index} is not a safetensors index (no weight_map): {e}") from e
+        files = sorted(set(weight_map.values()))
+    elif os.path.isfile(os.path.join(folder, SINGLE)):
+        weight_map, files = None, [SINGLE]
+    else:
+        raise HFFolderError(f"{folder} holds no {SINGLE} and no {INDEX}: not a Hugging Face weights folder")
+    found: dict[str, str] = {}
+    for name in files:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            raise HFFolderError(f"{index} names {name}, which is missing from {folder}: the download is incomplete")
+        _check_complete(path)
+        with safe_open(path, framework="pt") as f:
+            found.update({k: name for k in f.keys()})
+    if weight_map is not None:
+        lost = sorted(k for k, name in weight_map.items() if found.get(k) != name)
+        if lost:
+            raise HFFolderError(f"{index} places {lost[0]} in {weight_map[lost[0]]}, which does not hold it")
+    return found
+
+
+def _check_complete(path: str) -> dict:
+    """A safetensors file's header (tensor name -> dtype, shape, offsets); refuses a file shorter than its
+    header says (safetensors itself only notices when a tensor in the missing part is read, with a bus error
+    under mmap)."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise HFFolderError(f"{path} is not a readable safetensors file ({type(e).__name__}); download it again") from e
+    size = os.path.getsize(path)
+    if 8 + n + end > size:
+        raise HFFolderError(
+            f"{path} is truncated: its header describes {8 + n + end:,} bytes, the file has {size:,}; download it again"
+        )
+    return header
+
+
+def weight_shapes(folder: str) -> dict[str, list[int]]:
+    """HF tensor name -> shape, from the safetensors headers alone (no tensor is read), checked as in
+    `weight_files`."""
+    shapes: dict[str, list[int]] = {}
+    for name in sorted(set(weight_files(folder).values())):
+        header = _check_complete(os.path.join(folder, name))
+        shapes.update({k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+    return shapes
+
+
+def check_weight_shapes(folder: str, adapter: StateDictAdapter, shapes: dict[str, torch.Size],
+                        have: dict[str, list[int]] | None = None) -> None:
+    """Every HF tensor that the model of `shapes` (our names -> global shapes) reads from `folder` is there
+    with the shape the model needs, judged from the headers (`have`: weight_shapes(folder), when read already)
+    as the adapter's reader presents them (`hf_reader`: e.g. GPT-OSS's MXFP4 block/scale pairs read as one
+    tensor). Called once the folder's config.json matched the model (check_hf_config), so a difference here is
+    a folder whose weights and config.json disagree: one line naming the tensor, both shapes and the fix."""
+    reader = adapter.hf_reader(_HeaderShapes(folder, weight_shapes(folder) if have is None else have))
+    for key, shape in shapes.items():
+        layout = adapter.hf_layout(key, shape)
+        if layout is None:
+            continue
+        want = hf_shape(layout, shape)
+        for hf_key in layout.hf_keys:
+            if hf_key not in reader.where:
+                raise HFFolderError(
+                    f"{folder} lacks the weight {hf_key} that its config.json implies: a checkpoint of another "
+                    f"model or an incomplete folder; point --checkpoint.initial_load_path at the folder it belongs to"
+                )
+            if (got := list(reader.shape(hf_key))) != want:
+                raise HFFolderError(
+                    f"{folder}: {hf_key} is {got} in its safetensors, {want} by its config.json (the "
+                    f"weights and config.json disagree); fix config.json, or point --checkpoint.initial_load_path "
+                    f"at the folder these weights came from"
+                )
+
+
+class _HeaderShapes:
+    """The `where` / `shape` of a SliceReader from shapes read off the headers (nothing opened again)."""
+
+    def __init__(self, folder: str, shapes: dict[str, list[int]]):
+        self.folder, self._shapes = folder, shapes
+        self.where = dict.fromkeys(shapes, "")
+
+    def shape(self, key: str) -> list[int]:
+        return self._shapes[key]
+
+
+class SliceReader:
+    """Reads boxes of HF tensors from a folder's safetensors files. Each read opens its file and closes it
+    again: safetensors maps the file, and pages a read touched stay in the process's RSS until the file is
+    closed, so a long-open file would hold every slice read from it."""
+
+    def __init__(self, folder: str):
+        self.folder, self.where = folder, weight_files(folder)
+        self._shapes: dict[str, list[int]] = {}
+
+    def shape(self, key: str) -> list[int]:
+        if key not in self._shapes:
+            with self._open(key) as f:
+                self._shapes[key] = list(f.get_slice(key).get_shape())
+        return self._shapes[key]
+
+    def read(self, key: str, offsets: Iterable[int], sizes: Iterable[int]) -> torch.Tensor:
+        index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+        with self._open(key) as f:
+            return f.get_slice(key)[index].clone()  # a copy: the slice is a view of the mapped file
+
+    def _open(self, key: str):
+        if key not in self.where:
+            raise HFFolderError(f"{self.folder} lacks the weight {key}: a checkpoint of another model?")
+        return safe_open(os.path.join(self.folder, self.where[key]), framework="pt")
+
+
+def local_box(t: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int], bool]:
+    """(this rank's local tensor, its offsets and sizes in the global tensor, whether this rank is the one
+    that writes it: the first of the ranks replicating it)."""
+    if not isinstance(t, DTensor):
+        return t, [0] * t.dim(), list(t.shape), True
+    sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    coordinate = t.device_mesh.get_coordinate() or []
+    owner = all(c == 0 for c, p in zip(coordinate, t.placements) if isinstance(p, Replicate))
+    return t.to_local(), list(offsets), list(sizes), owner
+
+
+def read_box(reader: SliceReader, layout: HFLayout, offsets: list[int], sizes: list[int]) -> torch.Tensor:
+    """The box (offsets, sizes) of our tensor laid out as `layout`, read slice by slice."""
+    if layout.stacked:
+        return torch.stack([reader.read(layout.hf_keys[e], offsets[1:], sizes[1:])
+                            for e in range(offsets[0], offsets[0] + sizes[0])])
+    key = layout.hf_keys[0]
+    if layout.hf_rows:  # our tensor is a row range of the HF one
+        return reader.read(key, [offsets[0] + layout.row_offset, *offsets[1:]], sizes)
+    if not layout.row_block:
+        return reader.read(key, offsets, sizes)
+    b = layout.row_block
+    r0, r1 = offsets[0] // b * b, -(-(offsets[0] + sizes[0]) // b) * b  # the whole blocks covering the box
+    slab = layout.from_hf_rows(reader.read(key, [r0, *offsets[1:]], [r1 - r0, *sizes[1:]]))
+    return slab[offsets[0] - r0 : offsets[0] - r0 + sizes[0]]
+
+
+def hf_shape(layout: HFLayout, shape: torch.Size) -> list[int]:
+    if layout.hf_rows:
+        return [layout.hf_rows, *shape[1:]]
+    return list(shape[1:]) if layout.stacked else list(shape)
+
+
+def load_hf_into(state_dict: dict[str, torch.Tensor], folder: str, adapter: StateDictAdapter) -> None:
+    """Fills `state_dict` (our names; plain tensors or DTensors, e.g. get_model_state_dict of FSDP/TP model
+    parts) in place from an HF folder, each rank reading only its boxes. Shapes are checked first, in one
+    line naming the tensor."""
+    reader = adapter.hf_reader(SliceReader(folder))
+    check_weight_shapes(folder, adapter, {k: t.shape for k, t in state_dict.items()})
+    plans = [(key, t, layout) for key, t in state_dict.items() if (layout := adapter.hf_layout(key, t.shape))]
+    with torch.no_grad():
+        for key, t, layout in plans:
+            local, offsets, sizes, _ = local_box(t)
+            if local.numel():
+                local.copy_(read_box(reader, layout, offsets, sizes).to(local.dtype))
+
+
+def load_hf_folder(folder: str, adapter_cls: type[StateDictAdapter], expected=None) -> tuple[dict[str, torch.Tensor], object]:
+    """(every tensor under our names, the folder's args), one process. With `expected` (the args the job
+    trains), the folder's config is compared with them first (StateDictAdapter.check_hf_config)."""
+    args = adapter_cls.args_from_hf(folder)
+    if expected is not None:
+        adapter_cls.check_hf_config(folder, args, expected)
+    return read_hf_state_dict(folder, adapter_cls, args), args
+
+
+def read_hf_state_dict(folder: str, adapter_cls: type[StateDictAdapter], args) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF folder under our names (one process; for conversion to DCP). A tied model's
+    folder stores no lm_head.weight: the adapter's from_hf fills our output from the embedding."""
+    adapter = adapter_cls(args)
+    reader = adapter.hf_reader(SliceReader(folder))
+    full = {k: reader.read(k, [0] * len(reader.shape(k)), reader.shape(k)) for k in reader.where}
+    return adapter.from_hf(full)
+
+
+# ---- writing -----------------------------------------------------------------------------------------------
+
+
+def _natural(key: str) -> list:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", key)]
+
+
+def plan_files(shapes: dict[str, list[int]], dtype: torch.dtype, max_shard_bytes: int) -> dict[str, str]:
+    """HF tensor -> output file name, filling files in name order up to max_shard_bytes (a larger tensor
+    gets a file of its own), named as save_pretrained names them."""
+    size = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else torch.iinfo(dtype).bits // 8
+    groups: list[list[str]] = [[]]
+    used = 0
+    for key in sorted(shapes, key=_natural):
+        n = math.prod(shapes[key]) * size
+        if groups[-1] and used + n > max_shard_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append(key)
+        used += n
+    if len(groups) == 1:
+        return dict.fromkeys(groups[0], SINGLE)
+    total = len(groups)
+    return {k: f"model-{i:05d}-of-{total:05d}.safetensors" for i, g in enumerate(groups, 1) for k in g}
+
+
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+class _PartWriter:
+    """Writes one rank's slices for each output file into parts under sharded/<file>/, PART_BYTES at a time,
+    with the offsets DCP's consolidation reads (DCP_SHARDING_INFO)."""
+
+    def __init__(self, sharded: str, files: dict[str, str], tag: str):
+        self.sharded, self.files, self.tag = sharded, files, tag
+        self.pending: dict[str, dict[str, tuple[torch.Tensor, list[int]]]] = {}
+        self.bytes, self.count = 0, 0
+
+    def add(self, key: str, tensor: torch.Tensor, offsets: list[int]) -> None:
+        if key in self.pending.get(self.files[key], {}):
+            self.flush()  # another piece of the same HF tensor (a fused one, see HFLayout.hf_rows): its own part
+        self.pending.setdefault(self.files[key], {})[key] = (tensor.contiguous(), offsets)
+        self.bytes += tensor.numel() * tensor.element_size()
+        if self.bytes >= PART_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        for name, tensors in self.pending.items():
+            folder = os.path.join(self.sharded, name)
+            os.makedirs(folder, exist_ok=True)
+            info = {k: {"saved_offsets": off} for k, (_, off) in tensors.items()}
+            save_file({k: t for k, (t, _) in tensors.items()}, os.path.join(folder, f"{self.tag}-{self.count}.safetensors"),
+                      metadata={"DCP_SHARDING_INFO": json.dumps(info), "format": "pt"})
+            self.count += 1
+        self.pending, self.bytes = {}, 0
+
+
+def hf_chunks(adapter: StateDictAdapter, key: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor, list[int]]]:
+    """(HF name, this rank's slice in HF layout, its offsets) for our tensor `t`, for the ranks that write
+    it. A rows-permuted tensor whose slices do not hold whole blocks is gathered first (a collective over
+    its mesh, taken by every rank of it) and written by its first rank."""
+    layout = adapter.hf_layout(key, t.shape)
+    if layout is None:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        adapter.to_hf({key: local})  # lets the adapter refuse a state HF cannot hold (e.g. a moved router bias)
+        return
+    local, offsets, sizes, owner = local_box(t)
+    if layout.row_block and isinstance(t, DTensor) and not _blocks_whole(t, layout.row_block):
+        local, offsets, sizes = t.full_tensor(), [0] * t.dim(), list(t.shape)
+        owner = all(c == 0 for c in (t.device_mesh.get_coordinate() or []))
+    if not owner or local.numel() == 0:
+        return
+    if layout.stacked:
+        for i, e in enumerate(range(offsets[0], offsets[0] + sizes[0])):
+            yield layout.hf_keys[e], local[i], offsets[1:]
+    elif layout.row_block:
+        yield layout.hf_keys[0], layout.to_hf_rows(local), offsets
+    elif layout.hf_rows:
+        yield layout.hf_keys[0], local, [offsets[0] + layout.row_offset, *offsets[1:]]
+    else:
+        yield layout.hf_keys[0], local, offsets
+        for hf_key in layout.copies:  # its own storage: safetensors refuses tensors sharing memory
+            yield hf_key, local.clone(), offsets
+
+
+def _blocks_whole(t: DTensor, block: int) -> bool:
+    """Whether every rank's slice of dim 0 is a whole number of `block` rows (the same answer on every rank:
+    it depends on the global shape and placements only)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    mesh_shape = list(t.device_mesh.shape)
+    for flat in range(math.prod(mesh_shape)):
+        coordinate = []
+        for n in reversed(mesh_shape):
+            coordinate.insert(0, flat % n)
+            flat //= n
+        sizes, offsets = _compute_local_shape_and_global_offset(t.shape, mesh_shape, coordinate, t.placements)
+        if offsets[0] % block or sizes[0] % block:
+            return False
+    return True
+
+
+def check_output_folder(folder: str) -> None:
+    if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
+        raise HFFolderError(f"{folder} exists and is not empty; choose another output folder or remove it")
+
+
+def write_hf_weights(
+    chunks: Iterable[tuple[str, torch.Tensor, list[int]]],
+    shapes: dict[str, list[int]],
+    folder: str,
+    dtype: torch.dtype,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[str]:
+    """Writes HF tensors of global `shapes` (every rank passes the same dict) from this rank's `chunks`
+    (HF name, slice, offsets) into `folder` as save_pretrained lays them out; collective when a process
+    group exists. Returns the safetensors file names."""
+    rank, world = _rank_world()
+    files = plan_files(shapes, dtype, max_shard_bytes)
+    sharded = os.path.join(folder, "sharded")
+    writer = _PartWriter(sharded, files, f"rank{rank:05d}")
+    for key, t, offsets in chunks:
+        writer.add(key, t.detach().to(device="cpu", dtype=dtype), offsets)
+    writer.flush()
+    if dist.is_initialized():
+        dist.barrier()
+    names = sorted(set(files.values()))
+    for i, name in enumerate(names):
+        if i % world == rank:  # each output file is stitched by one rank, one tensor at a time
+            mapping = {k: name for k, f in files.items() if f == name}
+            _consolidate_safetensors_files(os.path.join(sharded, name), folder, mapping, num_threads=1)
+    if dist.is_initialized():
+        dist.barrier()
+    if rank == 0:
+        shutil.rmtree(sharded)
+        if len(names) > 1:
+            size = torch.finfo(dtype).bits // 8
+            total = sum(math.prod(s) * size for s in shapes.values())
+            with open(os.path.join(folder, INDEX), "w") as f:
+                json.dump({"metadata": {"total_size": total},
+                           "weight_map": {k: files[k] for k in sorted(files, key=_natural)}}, f, indent=2)
+    return names
+
+
+def model_hf_shapes(adapter: StateDictAdapter, state_dict: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    """Global shape of every HF tensor the model's state dict maps to, gathered over all ranks (pipeline
+    stages hold different keys)."""
+    shapes = {}
+    for key, t in state_dict.items():
+        layout = adapter.hf_layout(key, t.shape)
+        if layout is not None:
+            shapes.update({k: hf_shape(layout, t.shape) for k in (*layout.hf_keys, *layout.copies)})
+    if dist.is_initialized():
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, shapes)
+        shapes = {k: v for part in every for k, v in part.items()}
+    return shapes
+
+
+def save_hf_folder(
+    state_dict: dict[str, torch.Tensor],
+    adapter_cls: type[StateDictAdapter],
+    args,
+    folder: str,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    tokenizer=None,
+) -> None:
+    """Writes a model's state dict (our names; plain tensors, or this rank's DTensor shards under FSDP/TP/EP,
+    every rank calling) as a Hub-ready Hugging Face folder: safetensors split at max_shard_bytes (+ index),
+    config.json, generation_config.json and, given the project `tokenizer`, its Hugging Face files. `folder`
+    must be new or empty. No rank gathers the model (see the module docstring)."""
+    rank, _ = _rank_world()
+    adapter = adapter_cls(args)
+    check_output_folder(folder)
+    config = adapter_cls.to_hf_config(args, dtype)  # refuses an args the HF architecture cannot express, early
+    shapes = model_hf_shapes(adapter, state_dict)
+    if rank == 0:
+        os.makedirs(folder, exist_ok=True)
+    if dist.is_initialized():
+        dist.barrier()
+    chunks = (c for key, t in state_dict.items() for c in hf_chunks(adapter, key, t))
+    write_hf_weights(chunks, shapes, folder, dtype, max_shard_bytes)
+    if rank == 0:
+        write_hf_metadata(folder, config, tokenizer)
+
+
+def write_hf_metadata(folder: str, config: dict, tokenizer=None) -> None:
+    """config.json, generation_config.json and (given a project tokenizer) the tokenizer files."""
+    from torchtitan.components.tokenizer.hf_export import save_hf_tokenizer
+
+    if tokenizer is not None:
+        config = {**config, "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+        save_hf_tokenizer(tokenizer, folder)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump(generation, f, indent=2)
