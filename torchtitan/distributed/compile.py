@@ -138,20 +138,24 @@ def _unwrapped(block: nn.Module) -> nn.Module:
 
 
 def _compile_around(block: nn.Module, eager_ids: set[int], apart_ids: set[int], backend: str) -> None:
-    """Compiles the parts of a block that hold an `eager` or `apart` module (what upstream torchtitan does for
+    """Compiles the parts of a block that holds an `eager` or `apart` module (what upstream torchtitan does for
     MoE blocks): each child of the block on its own; an MoE child's own children (router, shared experts,
     the experts with their FSDP hooks) each on its own, its routing glue and all-to-all eager; a child holding
-    an eager kernel (the attention under context parallel) with a graph break at the kernel."""
+    an eager kernel (the attention under context parallel) with a graph break at the kernel. torch's own
+    modules (nn.RMSNorm, nn.Linear) stay eager when alone: dynamo does not trace into torch's files from the
+    top frame, and one op alone has nothing to fuse."""
+
+    def compile_part(part: nn.Module, fullgraph: bool = True) -> None:
+        if id(part) not in eager_ids and not type(part).__module__.startswith("torch."):
+            part.compile(fullgraph=fullgraph, backend=backend)
+
     for child in block.children():
         inside = [m for m in child.modules() if m is not child]
         if any(id(m) in apart_ids for m in inside):
             for part in child.children():
-                if id(part) not in eager_ids:
-                    part.compile(fullgraph=True, backend=backend)
-        elif any(id(m) in eager_ids for m in inside):
-            child.compile(fullgraph=False, backend=backend)
-        elif id(child) not in eager_ids:
-            child.compile(fullgraph=True, backend=backend)
+                compile_part(part)
+        else:
+            compile_part(child, fullgraph=not any(id(m) in eager_ids for m in inside))
 
 
 def compile_loss(loss_fn, backend: str = "inductor"):
