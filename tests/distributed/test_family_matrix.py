@@ -150,8 +150,10 @@ def _combos():
             if (family, feature) in REFUSED:
                 refusals.append((family, feature, extra))
             else:
-                compiled = AOT if (i + j) % COMPILE_EVERY == 0 else []
-                runs.append((family, feature, extra + compiled + AC_ROTATION[(i // 2 + j) % len(AC_ROTATION)]))
+                # Compiled runs take op-level AC: compiled full AC under TP 2 stops in AOTAutograd (torch 2.13:
+                # "expected all tensors_saved_with_vc_check to be Tensors", a DeviceMesh saved), open in issue 31.
+                ac = AC_ROTATION[1] if (i + j) % COMPILE_EVERY == 0 else AC_ROTATION[(i // 2 + j) % len(AC_ROTATION)]
+                runs.append((family, feature, extra + (AOT if (i + j) % COMPILE_EVERY == 0 else []) + ac))
     return runs, refusals
 
 
@@ -207,7 +209,7 @@ def test_compiled_under_ep_tp(plain_losses, tmp_path, monkeypatch):
     ac = AC_ROTATION[1]
     runs = [("qwen3_moe", "eptp_inductor", EP_TP + ac + ["--compile.enable", "--training.mixed_precision_param", "float32"]),
             ("qwen3_moe", "eptp_eager", EP_TP + ac + ["--training.mixed_precision_param", "float32"])]
-    runs += [("deepseek_v3", "eptp_compiled", EP_TP + AOT + AC_ROTATION[0])]
+    runs += [("deepseek_v3", "eptp_compiled", EP_TP + AOT + ac)]
     for family, _, extra in runs:
         assert _refusal(family, extra, 4) is None, family
     monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
