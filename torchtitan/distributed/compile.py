@@ -4,6 +4,8 @@ Regional compilation: each transformer block is compiled on its own (`Module.com
 names unchanged) rather than the whole model. All blocks share one graph (dynamo treats a block's parameters as
 graph inputs), so compile time does not grow with depth, and the FSDP2 hooks and pipeline cuts between blocks
 stay outside the graphs. `fullgraph=True`: a block that breaks the graph is a bug to fix, not a silent slowdown.
+A block holding what cannot be traced inside it (a context-parallel attention kernel, experts FSDP-sharded apart
+from their block) is compiled part by part around it (`apply_compile`, docs/compile.md).
 
 Order in a parallelizer: TP ▸ AC ▸ compile ▸ FSDP. Compile sees the TP-sharded (DTensor) block and the AC
 wrapper, and FSDP then wraps the compiled blocks.
