@@ -1,10 +1,10 @@
-"""Negative control of the compiled-under-CP parity (tests/distributed/test_family_matrix.py, CP_RTOL): a compiled
+"""Negative control of the compiled-under-CP parity (tests/distributed/test_family_matrix.py, COMPILED_RTOL): a compiled
 CP block whose attention kernel loses the ring (local causal SDPA in place of ring attention) must fail it.
 Run from the repo root: PYTHONPATH=. python scripts/compile_cp_negative_control.py (about 2 min on 2 cores)."""
 import os, sys, time
 import pytest
 from tests.multiprocess import free_port, run_ranks
-from tests.distributed.test_family_matrix import _train_all, _losses, TWO_RANKS, CP_RTOL
+from tests.distributed.test_family_matrix import _train_all, _losses, TWO_RANKS, COMPILED_RTOL
 
 
 def broken_train_all(rank, world, runs, ports, folder):
@@ -31,4 +31,4 @@ if __name__ == "__main__":
     run_ranks(broken_train_all, 2, comp, [free_port()], folder, timeout=900)
     run_ranks(_train_all, 2, eager, [free_port()], folder, timeout=900)
     a, b = _losses(f"{folder}/llama3_cp2_compiled"), _losses(f"{folder}/llama3_cp2_eager")
-    print("broken compiled", a, "eager", b, "parity holds:", a == pytest.approx(b, rel=CP_RTOL))
+    print("broken compiled", a, "eager", b, "parity holds:", a == pytest.approx(b, rel=COMPILED_RTOL))
