@@ -22,7 +22,7 @@ from torchtitan.components.quantization import ModelConverters, build_model_conv
 from torchtitan.config import JobConfig
 from torchtitan.components.optim.optimizer_offload import check_optimizer_offload
 from torchtitan.distributed.activation_checkpoint import check_ac_config, check_block_choices
-from torchtitan.distributed.compile import check_compile_config, check_compile_layout, compiles
+from torchtitan.distributed.compile import check_compile_config, compiles
 from torchtitan.distributed.compile_auto import CompileChoice, resolve_compile_auto
 from torchtitan.distributed.context_parallel import ContextParallelAttention
 from torchtitan.distributed.context_parallel_a2a import check_cp_method
@@ -76,7 +76,6 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
     # The device the ranks will train on decides "auto" precision.
     precision = resolve_precision(t.dtype, t.mixed_precision_param, torch.device(device_type))
     check_compile_config(cfg, device_type)
-    check_compile_layout(cfg, pd)
     check_ac_config(cfg.activation_checkpoint, model_compiled=compiles(cfg, "model"))
     check_muon_config(cfg.optimizer)
 

@@ -501,6 +501,10 @@ class Trainer:
         self.metrics.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.cfg.compile.enable:
+            # Dynamo keeps this run's graphs keyed on nn.Module's shared call code; a later trainer in the same
+            # process (tests, notebooks) would add its own and reach the recompile limit, fatal under fullgraph.
+            torch._dynamo.reset()
 
 
 def _add(total: torch.Tensor | None, x: torch.Tensor | None) -> torch.Tensor | None:

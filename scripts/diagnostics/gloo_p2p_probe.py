@@ -28,7 +28,7 @@ import time
 
 SCENARIOS = ["same_tag_in_order", "same_tag_crossed", "distinct_tags_crossed", "peer_gone_mid_recv",
              "exit_with_send_in_flight"]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHAPE = (4, 2, 64, 64)  # a [B, H, S/cp, D] k/v shard of the command, roughly
 
 

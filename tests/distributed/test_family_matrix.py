@@ -8,11 +8,11 @@ One process (in-process trainers, one after another): each AC mode, Float8 (emul
 Muon, and LoRA composed with Float8 and full AC. Two ranks, in ONE spawned group that builds one trainer per combination: FSDP 2, TP 2, PP 2, CP 2
 and, for the MoE families, EP 2.
 
-Compile with selective AC under a layout (issue 31: the matrix tried compile only alone, and MoE compiled under
-EP died): every MoE family under EP 2 (test_moe_compiled_under_ep; a cold compile costs ~30 s per family on 2
-cores). CP 2 compiled, and compile where the experts are FSDP-sharded apart from their block (EP 2 x TP 2 on 4
-ranks), are refused with one line (test_compile_refusals). Compile under the other layouts is left to
-tests/distributed/test_compile.py (dense, FSDP 2 and TP 2) and tests/unit/test_moe_compile.py (one process).
+Compile and AC under every layout (issue 31: the matrix tried compile only alone, and MoE compiled under EP
+died): every two-rank run is checkpointed (full / op-level AC rotated) and one in four is compiled (aot_eager,
+rotated so every family and every layout gets one); Llama 3 under CP 2 is compiled by inductor against the same
+layout eager (COMPILED_RTOL); test_compiled_under_ep_tp trains MoE compiled under EP 2 x TP 2 on 4 ranks (the
+experts FSDP-sharded apart from their block). docs/compile.md says what composes.
 
 What is checked: the run ends with 2 finite losses; features that do not change the forward (AC, Muon) and the
 layouts log the same first-step loss as the family's plain one-process run (before any update: same init,
@@ -130,14 +130,44 @@ def test_one_process_features(family, plain_losses, tmp_path, monkeypatch):
         _check(family, feature, _losses(dump), plain_losses[family])
 
 
+# Every layout run is checkpointed, by an AC mode rotated over the layouts, and one run in four (rotated so that
+# every layout and every family gets one) is compiled with aot_eager: dynamo and AOTAutograd trace forward and
+# backward exactly as for inductor, without inductor's code generation. Compiling every run cost 60-280 s a run on
+# the loaded 2-core machine, over the suite's budget. Inductor itself is checked compiled == eager under CP 2
+# (below) and EP 2 x TP 2 (test_compiled_under_ep_tp), and dense under FSDP/TP in tests/distributed/test_compile.py.
+AOT = ["--compile.enable", "--compile.backend", "aot_eager"]
+AC_ROTATION = [["--activation_checkpoint.mode", "full"],
+               ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]]
+COMPILE_EVERY = 4
+
+
 def _combos():
     runs, refusals = [], []
-    for family in FAMILIES:
-        for feature, extra in TWO_RANKS.items():
+    for i, family in enumerate(FAMILIES):
+        for j, (feature, extra) in enumerate(TWO_RANKS.items()):
             if feature == "ep2" and family not in MOE and (family, feature) not in REFUSED:
                 continue
-            (refusals if (family, feature) in REFUSED else runs).append((family, feature, extra))
+            if (family, feature) in REFUSED:
+                refusals.append((family, feature, extra))
+            else:
+                # Compiled runs take op-level AC: compiled full AC under TP 2 stops in AOTAutograd (torch 2.13:
+                # "expected all tensors_saved_with_vc_check to be Tensors", a DeviceMesh saved), open in issue 31.
+                # qwen3_5 stays out: its compiled backward fails under FSDP 2 ("view size is not compatible"),
+                # Qwen3.5's compile is issue 32's.
+                compiled = (i + j) % COMPILE_EVERY == 0 and family != "qwen3_5"
+                ac = AC_ROTATION[1] if compiled else AC_ROTATION[(i // 2 + j) % len(AC_ROTATION)]
+                runs.append((family, feature, extra + (AOT if compiled else []) + ac))
     return runs, refusals
+
+
+# Inductor under CP 2 (ring attention stays eager, the rest of each block compiled around it) against the same
+# layout eager: same seed, data and layout, so only inductor's reordered fp32 sums differ (measured 2.3e-7).
+# Negative control (scripts/diagnostics/compile_cp_negative_control.py, run once): the compiled blocks' kernel made local attention (each rank attending
+# within its own slice) moved the losses by 3.1e-5 and 7.9e-5, which COMPILED_RTOL catches and 1e-4 would not: at
+# this size the first losses barely depend on attention.
+CP_PARITY = [("llama3", "cp2_inductor", TWO_RANKS["cp2"] + ["--compile.enable", "--training.mixed_precision_param", "float32"]),
+             ("llama3", "cp2_eager", TWO_RANKS["cp2"] + ["--training.mixed_precision_param", "float32"])]
+COMPILED_RTOL = 2e-6
 
 
 def _train_all(rank, world_size, runs, ports, folder):
@@ -156,45 +186,41 @@ def _train_all(rank, world_size, runs, ports, folder):
     return rank
 
 
-def test_two_rank_layouts(plain_losses, tmp_path):
+def test_two_rank_layouts(plain_losses, tmp_path, monkeypatch):
     runs, refusals = _combos()
     for family, feature, extra in refusals:
         refusal = _refusal(family, extra, 2)
         assert refusal is not None and REFUSED[family, feature] in refusal and "\n" not in refusal, (family, feature)
     for family, feature, extra in runs:
         assert _refusal(family, extra, 2) is None, (family, feature)
-    run_ranks(_train_all, 2, runs, [free_port() for _ in runs], str(tmp_path), timeout=1500)
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))  # cold, like CI; the ranks share it
+    everything = runs + CP_PARITY
+    run_ranks(_train_all, 2, everything, [free_port() for _ in everything], str(tmp_path), timeout=1500)
     for family, feature, _ in runs:
         _check(family, feature, _losses(tmp_path / f"{family}_{feature}"), plain_losses[family])
+    compiled, eager = (_losses(tmp_path / f"llama3_{feature}") for _, feature, _ in CP_PARITY)
+    assert len(compiled) == 2 and compiled == pytest.approx(eager, rel=COMPILED_RTOL), (compiled, eager)
 
 
-COMPILED = ["--compile.enable", "--activation_checkpoint.mode", "selective",
-            "--activation_checkpoint.selective_ac_option", "op"]
-EP_TP = ["--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
-COMPILE_REFUSED = "ring attention's point-to-point shifts and data-dependent block skipping do not trace"
+EP_TP = ["--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+         "--training.local_batch_size", "2"]
 
 
-def test_compile_refusals():
-    """Compiled blocks cannot run under CP, nor where the experts are FSDP-sharded apart from their block
-    (EP 2 x TP 2 on 4 ranks: dp_shard 2): one line each from plan_job, no rank started."""
-    for family in FAMILIES:
-        refusal = _refusal(family, TWO_RANKS["cp2"] + COMPILED, 2)
-        assert refusal is not None and COMPILE_REFUSED in refusal and "\n" not in refusal, (family, refusal)
-    for family in sorted(MOE):
-        refusal = _refusal(family, EP_TP + COMPILED + ["--training.local_batch_size", "2"], 4)
-        assert refusal is not None and "FSDP's hooks would break the compiled block" in refusal, refusal
-        assert _refusal(family, EP_TP + COMPILED, 2) is None  # 2 ranks: ep spans the tp ranks, no expert FSDP
-
-
-def test_moe_compiled_under_ep(plain_losses, tmp_path, monkeypatch):
-    """Every MoE family trains compiled, with selective AC, under EP 2 (issue 31: dynamo traced the hang
-    watch's wrapper of the all-to-all and the rank died)."""
-    runs = [(f, "ep2_compiled", TWO_RANKS["ep2"] + COMPILED) for f in FAMILIES if f in MOE]
+def test_compiled_under_ep_tp(plain_losses, tmp_path, monkeypatch):
+    """Every MoE family trains compiled with AC under EP 2 x TP 2 on 4 ranks, where FSDP shards the experts
+    apart from their block over dp_shard_mod_ep 2 (issue 31: refused before; the block is compiled around the
+    experts). qwen3_moe with inductor equals the same layout eager within COMPILED_RTOL (fp32; measured 1.2e-7);
+    deepseek_v3 (MLA) compiles with aot_eager (the trace inductor would get) and starts from the plain loss.
+    gpt_oss was run so by hand (inductor, losses 8.27, 8.11), left out for the suite's time."""
+    ac = AC_ROTATION[1]
+    runs = [("qwen3_moe", "eptp_inductor", EP_TP + ac + ["--compile.enable", "--training.mixed_precision_param", "float32"]),
+            ("qwen3_moe", "eptp_eager", EP_TP + ac + ["--training.mixed_precision_param", "float32"])]
+    runs += [("deepseek_v3", "eptp_compiled", EP_TP + AOT + ac)]
     for family, _, extra in runs:
-        assert _refusal(family, extra, 2) is None, family
-    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))  # cold, like CI; the ranks share it
-    run_ranks(_train_all, 2, runs, [free_port() for _ in runs], str(tmp_path), timeout=1500)
-    for family, feature, _ in runs:  # selective AC and compile change no forward: the plain first loss
-        losses = _losses(tmp_path / f"{family}_{feature}")
-        _check(family, feature, losses, plain_losses[family])
-        assert losses[0] == pytest.approx(plain_losses[family][0], rel=2e-2), (family, feature, losses)
+        assert _refusal(family, extra, 4) is None, family
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
+    run_ranks(_train_all, 4, runs, [free_port() for _ in runs], str(tmp_path), timeout=1500)
+    for family, feature, _ in runs[2:]:
+        _check(family, feature, _losses(tmp_path / f"{family}_{feature}"), plain_losses[family])
+    compiled, eager = _losses(tmp_path / "qwen3_moe_eptp_inductor"), _losses(tmp_path / "qwen3_moe_eptp_eager")
+    assert len(compiled) == 2 and compiled == pytest.approx(eager, rel=COMPILED_RTOL), (compiled, eager)

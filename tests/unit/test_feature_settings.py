@@ -25,7 +25,10 @@ def test_compile_settings():
         check_compile_config(_cfg("--parallelism.enable_async_tensor_parallel"), "cuda")
     with pytest.raises(ValueError, match="tensor_parallel_degree"):
         check_compile_config(_cfg("--compile.enable", "--parallelism.enable_async_tensor_parallel"), "cuda")
+    with pytest.raises(ValueError, match="compile.backend 'tvm' unknown; choose from inductor, aot_eager"):
+        check_compile_config(_cfg("--compile.enable", "--compile.backend", "tvm"), "cpu")
     check_compile_config(_cfg("--compile.enable"), "cpu")
+    check_compile_config(_cfg("--compile.enable", "--compile.backend", "aot_eager"), "cpu")
 
 
 def _converters(*argv: str, world_size: int = 1):

@@ -189,7 +189,7 @@ def build_cross_entropy_loss(job_config: JobConfig):
     from torchtitan.distributed.compile import compile_loss, compiles
 
     compiled = compiles(job_config, "loss")
-    loss = compile_loss(cross_entropy_sum) if compiled else cross_entropy_sum
+    loss = compile_loss(cross_entropy_sum, job_config.compile.backend) if compiled else cross_entropy_sum
     chunk = job_config.training.loss_chunk_size
     if chunk == -1:
         return loss if compiled else _auto_chunked(loss)

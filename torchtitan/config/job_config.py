@@ -497,6 +497,11 @@ class Compile:
     """What to compile: "model" (each transformer block) and/or "loss". Compiled kernels are cached in
     $TORCHINDUCTOR_CACHE_DIR (default: $TORCHTITAN_CACHE_DIR/inductor or ~/.cache/torchtitan/inductor)."""
 
+    backend: str = "inductor"
+    """The torch.compile backend: "inductor" generates fused kernels (the speed-up); "aot_eager" traces the
+    forward and backward exactly as inductor receives them but runs them with eager kernels, with no code
+    generation: a check that a model and layout compile, at a fraction of inductor's compile time (tests)."""
+
 
 @dataclass
 class Float8:

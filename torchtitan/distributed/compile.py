@@ -4,6 +4,8 @@ Regional compilation: each transformer block is compiled on its own (`Module.com
 names unchanged) rather than the whole model. All blocks share one graph (dynamo treats a block's parameters as
 graph inputs), so compile time does not grow with depth, and the FSDP2 hooks and pipeline cuts between blocks
 stay outside the graphs. `fullgraph=True`: a block that breaks the graph is a bug to fix, not a silent slowdown.
+A block holding what cannot be traced inside it (a context-parallel attention kernel, experts FSDP-sharded apart
+from their block) is compiled part by part around it (`apply_compile`, docs/compile.md).
 
 Order in a parallelizer: TP ▸ AC ▸ compile ▸ FSDP. Compile sees the TP-sharded (DTensor) block and the AC
 wrapper, and FSDP then wraps the compiled blocks.
@@ -14,6 +16,7 @@ once loads kernels instead of compiling them.
 """
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -26,6 +29,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.tools.logging import logger
 
 COMPONENTS = ("model", "loss")
+BACKENDS = ("inductor", "aot_eager")
 
 
 def configure_compile_cache() -> str:
@@ -63,6 +67,8 @@ def check_compile_config(job_config: JobConfig, device_type: str) -> None:
         raise ValueError(
             f"--compile.components {','.join(unknown)} unknown; choose from {','.join(COMPONENTS)}"
         )
+    if job_config.compile.backend not in BACKENDS:
+        raise ValueError(f"--compile.backend {job_config.compile.backend!r} unknown; choose from {', '.join(BACKENDS)}")
     if job_config.parallelism.enable_async_tensor_parallel:
         why = None
         if device_type != "cuda":
@@ -75,30 +81,6 @@ def check_compile_config(job_config: JobConfig, device_type: str) -> None:
             raise ValueError(f"--parallelism.enable_async_tensor_parallel cannot be used: {why}")
 
 
-def check_compile_layout(job_config: JobConfig, parallel_dims) -> None:
-    """Raises ValueError (one line) for layouts whose blocks cannot be compiled whole (fullgraph); plan_job
-    calls it once the degrees are resolved."""
-    if not compiles(job_config, "model"):
-        return
-    pd = parallel_dims
-    if pd.cp > 1:
-        # Ring attention (distributed/context_parallel.py) skips fully masked blocks by their values and shifts
-        # k/v with point-to-point ops: dynamo can trace neither (torch 2.13 stops on `mask.any()`).
-        raise ValueError(
-            f"--compile.enable cannot compile the blocks under --parallelism.context_parallel_degree {pd.cp}: ring "
-            f"attention's point-to-point shifts and data-dependent block skipping do not trace; turn one of them off"
-        )
-    expert_fsdp = pd.dp_replicate * pd.dp_shard_mod_ep
-    if pd.ep > 1 and expert_fsdp > 1:
-        # Those experts are their own FSDP group inside the compiled block; FSDP2's hooks are not traced.
-        raise ValueError(
-            f"--compile.enable with --parallelism.expert_parallel_degree {pd.ep}: the experts are FSDP-sharded "
-            f"apart from their block over {expert_fsdp} ranks, and FSDP's hooks would break the compiled block; "
-            f"set --parallelism.expert_parallel_degree {pd.dp_shard * pd.cp * pd.tp} (with no replicate degree) so "
-            f"no rank shares another's experts, or turn compile off"
-        )
-
-
 def _wait_for_async_output(module: nn.Module, inputs, output):
     # Under TP the embedding's output is an AsyncCollectiveTensor (its reduce-scatter still in flight). Fed to a
     # compiled block, its gradient comes back as a plain tensor where DTensor's backward needs a DTensor
@@ -107,22 +89,66 @@ def _wait_for_async_output(module: nn.Module, inputs, output):
     return output.clone() if isinstance(output, AsyncCollectiveTensor) else None
 
 
-def apply_compile(model: nn.Module) -> None:
-    """Compiles each transformer block of `model.layers` in place."""
+def apply_compile(model: nn.Module, *, eager: Sequence[nn.Module] = (), apart: Sequence[nn.Module] = (),
+                  backend: str = "inductor") -> None:
+    """Compiles each transformer block of `model.layers` in place, whole (fullgraph) where it can be traced.
+
+    `eager`: modules that must run outside any graph (context-parallel attention kernels: ring attention skips
+    blocks by their values and shifts k/v point to point, which dynamo cannot trace). `apart`: modules with
+    their own FSDP group inside a block (routed experts sharded over dp_shard_mod_ep), whose FSDP2 hooks cannot
+    run inside another module's graph. A block holding either is compiled around them (`_compile_around`)."""
     configure_compile_cache()
+    eager_ids, apart_ids = {id(m) for m in eager}, {id(m) for m in apart}
+    for m in eager:
+        # The caller's graph breaks here and resumes after; the kernel and its collectives run eagerly.
+        m.forward = torch.compiler.disable(m.forward, recursive=True)
+    split = 0
     for block in model.layers.values():
         # An offloaded block compiles the block inside, so its saved-tensor hooks stay outside the graph.
-        getattr(block, "compile_target", block).compile(fullgraph=True)
+        target = getattr(block, "compile_target", block)
+        if any(id(m) in eager_ids or id(m) in apart_ids for m in target.modules()):
+            _compile_around(_unwrapped(target), eager_ids, apart_ids, backend)
+            split += 1
+        else:
+            target.compile(fullgraph=True, backend=backend)
     if getattr(model, "tok_embeddings", None) is not None:
         model.tok_embeddings.register_forward_hook(_wait_for_async_output)
-    logger.info(f"Compiling {len(model.layers)} transformer blocks (cache: {configure_compile_cache()})")
+    how = f", {split} of them part by part (context-parallel kernels or separately sharded experts)" if split else ""
+    logger.info(f"Compiling {len(model.layers)} transformer blocks{how} (cache: {configure_compile_cache()})")
 
 
-def compile_loss(loss_fn):
+def _unwrapped(block: nn.Module) -> nn.Module:
+    # An activation-checkpoint wrapper stays eager around compiled parts: a graph break inside a traced
+    # checkpoint would make the compiler run the whole checkpointed block eagerly.
+    return getattr(block, "_checkpoint_wrapped_module", block)
+
+
+def _compile_around(block: nn.Module, eager_ids: set[int], apart_ids: set[int], backend: str) -> None:
+    """Compiles the parts of a block that holds an `eager` or `apart` module (what upstream torchtitan does for
+    MoE blocks): each child of the block on its own; an MoE child's own children (router, shared experts,
+    the experts with their FSDP hooks) each on its own, its routing glue and all-to-all eager; a child holding
+    an eager kernel (the attention under context parallel) with a graph break at the kernel. torch's own
+    modules (nn.RMSNorm, nn.Linear) stay eager when alone: dynamo does not trace into torch's files from the
+    top frame, and one op alone has nothing to fuse."""
+
+    def compile_part(part: nn.Module, fullgraph: bool = True) -> None:
+        if id(part) not in eager_ids and not type(part).__module__.startswith("torch."):
+            part.compile(fullgraph=fullgraph, backend=backend)
+
+    for child in block.children():
+        inside = [m for m in child.modules() if m is not child]
+        if any(id(m) in apart_ids for m in inside):
+            for part in child.children():
+                compile_part(part)
+        else:
+            compile_part(child, fullgraph=not any(id(m) in eager_ids for m in inside))
+
+
+def compile_loss(loss_fn, backend: str = "inductor"):
     """The loss compiled: fuses the fp32 upcast of the logits into the softmax instead of materialising it."""
     configure_compile_cache()
     logger.info("Compiling the loss")
-    return torch.compile(loss_fn)
+    return torch.compile(loss_fn, backend=backend)
 
 
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:

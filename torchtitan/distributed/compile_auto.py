@@ -13,8 +13,8 @@ The rule, decided in plan_job before any rank starts (so every rank and the pre-
 
 The eager step time is estimated from the model's FLOPs per step on one rank and the device's peak
 (tools/device_peak: the datasheet on GPUs, the measured best GEMM on CPUs, cached on disk) at EAGER_MFU, a
-deliberately high share: a step estimated too short errs towards staying eager. It stays off where compile
-cannot run the layout (check_compile_layout's refusals), and on CPU runs of several processes: those ranks
+deliberately high share: a step estimated too short errs towards staying eager. It stays off on CPU runs of
+several processes: those ranks
 share the machine's cores, so each compiles while the others wait for cores, and the peak they would each
 measure differs (the ranks must agree). The log names the choice and its figures.
 """
@@ -82,7 +82,7 @@ def remember_compiled(key: str) -> None:
 
 
 def choose(cfg: JobConfig, *, step_flops: float, peak_flops: float | None, device_type: str, world_size: int,
-           cached: bool, layout_refusal: str | None) -> CompileChoice:
+           cached: bool) -> CompileChoice:
     """The auto rule (module docstring). `step_flops`: model FLOPs of one optimizer step on one rank;
     `peak_flops`: the device's peak in the matmul dtype (None where unknown); `cached`: compiled_before."""
     if cfg.compile.enable:
@@ -93,8 +93,6 @@ def choose(cfg: JobConfig, *, step_flops: float, peak_flops: float | None, devic
                                     f"{COLD_COMPILE_S.get(device_type, COLD_COMPILE_S['cuda']):.0f} s compile")
     if "model" not in cfg.compile.components:
         return CompileChoice(False, f"{off}: 'model' is not in --compile.components)")
-    if layout_refusal:
-        return CompileChoice(False, f"{off}: this layout cannot compile the blocks: {layout_refusal})")
     if device_type == "cpu" and world_size > 1:
         return CompileChoice(False, f"{off}: {world_size} CPU processes share this machine's cores; "
                                     f"--compile.enable compiles in each)")
@@ -118,16 +116,8 @@ def resolve_compile_auto(cfg: JobConfig, model: torch.nn.Module, model_args: obj
             world_size: int, matmul_dtype: torch.dtype) -> CompileChoice:
     """Applies the auto rule to `cfg` (compile.enable, and components reduced to the blocks, what was
     measured) and returns the choice. `model` on meta, as plan_job builds it."""
-    from torchtitan.distributed.compile import check_compile_layout
     from torchtitan.tools.params import count_params
 
-    refusal = None
-    if not cfg.compile.enable and cfg.compile.auto:
-        trial = dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, enable=True))
-        try:
-            check_compile_layout(trial, parallel_dims)
-        except ValueError as e:
-            refusal = str(e).split(": ", 1)[-1]
     t = cfg.training
     _, non_embedding = count_params(model)
     pd = parallel_dims
@@ -136,14 +126,14 @@ def resolve_compile_auto(cfg: JobConfig, model: torch.nn.Module, model_args: obj
     tokens = global_bs * t.seq_len / max(pd.dp, 1) / max(pd.cp, 1)
     step_flops = model_args.flops_per_token(non_embedding, t.seq_len) * tokens / max(pd.tp * pd.pp, 1)
     peak = None
-    if not (cfg.compile.enable or not cfg.compile.auto or refusal or (device_type == "cpu" and world_size > 1)):
+    if not (cfg.compile.enable or not cfg.compile.auto or (device_type == "cpu" and world_size > 1)):
         from torchtitan.tools.device_peak import peak_flops
 
         peak = peak_flops(torch.device(device_type), matmul_dtype, remeasure=False)
     degrees = (pd.dp_replicate, pd.dp_shard, pd.cp, pd.tp, pd.pp, pd.ep)
     key = job_key(cfg, model_args, degrees, device_type)
     choice = choose(cfg, step_flops=step_flops, peak_flops=peak, device_type=device_type, world_size=world_size,
-                    cached=compiled_before(key), layout_refusal=refusal)
+                    cached=compiled_before(key))
     choice = dataclasses.replace(choice, key=key)
     if choice.enable and not cfg.compile.enable:
         cfg.compile.enable = True

@@ -281,7 +281,12 @@ def parallelize(
     mem = job_config.memory
     apply_block_choices(model, mem.block_choices, _device(device_type), mem.offload_dir, mem.offload_prefetch)
     if compile_model:
-        apply_compile(model)
+        # Compiled around what cannot sit in a block's graph: the CP attention kernels, and experts that FSDP
+        # shards apart from their block (their own group over dp_shard_mod_ep).
+        kernels = [m for b in model.layers.values() for n, m in b.named_modules()
+                   if pd.cp_enabled and n.rpartition(".")[2] == "inner_attention"]
+        apart = experts if pd.fsdp_enabled and experts and pd.expert_fsdp_mesh() is not None else []
+        apply_compile(model, eager=kernels, apart=apart, backend=job_config.compile.backend)
     if pd.fsdp_enabled:
         t = job_config.training
         param_dtype, reduce_dtype = fsdp_dtypes(t, device_type)
