@@ -152,9 +152,7 @@ def _combos():
             else:
                 # Compiled runs take op-level AC: compiled full AC under TP 2 stops in AOTAutograd (torch 2.13:
                 # "expected all tensors_saved_with_vc_check to be Tensors", a DeviceMesh saved), open in issue 31.
-                # qwen3_5 stays out: its compiled backward fails under FSDP 2 ("view size is not compatible"),
-                # Qwen3.5's compile is issue 32's.
-                compiled = (i + j) % COMPILE_EVERY == 0 and family != "qwen3_5"
+                compiled = (i + j) % COMPILE_EVERY == 0
                 ac = AC_ROTATION[1] if compiled else AC_ROTATION[(i // 2 + j) % len(AC_ROTATION)]
                 runs.append((family, feature, extra + (AOT if compiled else []) + ac))
     return runs, refusals
