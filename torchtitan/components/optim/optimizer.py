@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
@@ -126,6 +127,17 @@ def resolve_implementation(
     return "foreach"
 
 
+def _groups_by_kind(params: list[torch.Tensor]) -> list[dict[str, Any]]:
+    """The parameters as param groups of one kind each: plain tensors, then DTensors. torch's foreach and fused
+    kernels take one list per group and refuse a list mixing the two ("got mixed torch.Tensor and DTensor"),
+    which a layout makes when some parameters stay plain beside sharded ones (DeepSeek-V3's MLA down-projections
+    under TP with no FSDP). The groups share every hyperparameter; the flattened state dict keys by parameter
+    name, so checkpoints load across layouts that group differently."""
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    return [{"params": kind} for kind in (plain, sharded) if kind]
+
+
 def _log_choice(cfg: OptimizerConfig, chosen: set[str]) -> None:
     how = "/".join(sorted(chosen)) or "none"
     why = " (auto: fused where torch has the kernel, foreach elsewhere)" if cfg.implementation == "auto" else ""
@@ -163,7 +175,7 @@ def build_optimizers(
             raise ValueError(f"Model part {type(model).__name__} has no trainable parameters")
         implementation = resolve_implementation(cfg.implementation, optimizer_class, params)
         chosen.add(implementation)
-        optimizers.append(make_optimizer(params, **_implementation_flags(implementation)))
+        optimizers.append(make_optimizer(_groups_by_kind(params), **_implementation_flags(implementation)))
     _log_choice(cfg, chosen)
     return OptimizersContainer(model_parts, optimizers)
 
@@ -183,7 +195,7 @@ def _build_muon(
         if not muon and not adamw:
             raise ValueError(f"Model part {type(model).__name__} has no trainable parameters")
         groups = [{"params": muon, "use_muon": True}] if muon else []
-        groups += [{"params": adamw, "use_muon": False}] if adamw else []
+        groups += [{**group, "use_muon": False} for group in _groups_by_kind(adamw)]
         # The AdamW group's kernel (Muon's own update has none to choose).
         implementation = resolve_implementation(cfg.implementation, torch.optim.AdamW, adamw) if adamw else "foreach"
         chosen.add(implementation)
