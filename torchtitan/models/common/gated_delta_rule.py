@@ -134,7 +134,8 @@ def chunk_gated_delta_rule(
     rhs = torch.cat([v * beta.unsqueeze(-1), kb * gamma.unsqueeze(-1)], dim=-1)
     u0w = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
     u0, w = u0w[..., :dv], u0w[..., dv:]
-    attn = torch.bmm(q.view(*flat, dk), kt).mul_(scale).view_as(decay) * decay
+    # Scaled out of place: op-level AC caches the bmm's output, and an in-place mul_ on it fails the recompute.
+    attn = torch.bmm(q.view(*flat, dk), kt).mul(scale).view_as(decay) * decay
     qg = q * (gamma * scale).unsqueeze(-1)  # the queries' read of the incoming state
     # What the chunk's last token keeps of each write ([dk, C] per chunk), and of the incoming state.
     k_out = (k * decay[..., -1, :].unsqueeze(-1)).transpose(-1, -2)
