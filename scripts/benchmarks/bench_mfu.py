@@ -184,7 +184,7 @@ def main() -> None:
     if a.run_steps is not None:
         cfg.training.steps = a.run_steps
     auto = choose(cfg, step_flops=flops_per_step, peak_flops=peak, device_type="cpu", world_size=1,
-                  cached=False, layout_refusal=None)  # cold: the estimate a first run of these shapes makes
+                  cached=False)  # cold: the estimate a first run of these shapes makes
     variants = {
         "framework, before (plain loss, foreach AdamW)": framework(plain_loss, False),
         "bare PyTorch (same kernels)": bare,
