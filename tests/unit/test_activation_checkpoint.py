@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from tests.unit.tiny_batches import random_batch_loss
 from torchtitan.components.loss import cross_entropy_sum
 from torchtitan.config.job_config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
@@ -47,8 +48,7 @@ def _train(ac: ActivationCheckpoint, steps: int = 4, perturb=None) -> tuple[list
     gen = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
-        tokens = torch.randint(0, 2048, (2, 65), generator=gen)
-        loss = cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:]) / tokens[:, 1:].numel()
+        loss = random_batch_loss(model, gen)
         loss.backward()
         opt.step()
         opt.zero_grad()

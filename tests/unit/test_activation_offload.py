@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 
+from tests.unit.tiny_batches import random_batch_loss
 from torchtitan.components.loss import cross_entropy_sum
 from torchtitan.config.job_config import ActivationCheckpoint, Memory
 from torchtitan.distributed import activation_offload
@@ -34,8 +35,7 @@ def _train(choices: list[str], tmp_path, steps: int = 4, prefetch: bool = True):
     gen = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
-        tokens = torch.randint(0, 2048, (2, 65), generator=gen)
-        loss = cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:]) / tokens[:, 1:].numel()
+        loss = random_batch_loss(model, gen)
         loss.backward()
         opt.step()
         opt.zero_grad()

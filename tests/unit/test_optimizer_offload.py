@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from torchtitan.components.loss import cross_entropy_sum
+from tests.unit.tiny_batches import random_batch_loss
 from torchtitan.components.optim.optimizer_offload import OffloadedOptimizerState, parameter_chunks
 from torchtitan.distributed import activation_offload
 from torchtitan.models.llama3 import Transformer, llama3_flavors
@@ -31,8 +31,7 @@ def _train(tmp_path, offload: bool, fused: bool, steps: int = 3):
     gen = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
-        tokens = torch.randint(0, 2048, (2, 65), generator=gen)
-        loss = cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:]) / tokens[:, 1:].numel()
+        loss = random_batch_loss(model, gen)
         loss.backward()
         state.step(opt) if state else opt.step()
         opt.zero_grad()
