@@ -3,7 +3,8 @@
 Numbers: a 4-block fp32 model trains 4 AdamW steps with blocks offloaded (alone, and mixed with keep / op /
 full recompute); losses and final weights must be bitwise equal to no-AC. A tier that returns one bit wrong
 must be caught by the same comparison (negative control).
-Memory: what a forward leaves alive per offloaded block, once its group is written, is nothing.
+Memory: what a forward leaves alive per offloaded block, once its group is written, is nothing; a block that
+recomputes from an offloaded input (full_offload) keeps nothing either, where full AC keeps its input.
 """
 
 import dataclasses
@@ -49,7 +50,8 @@ def no_ac_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("choices, prefetch", [
-    (["offload"], True), (["offload", "keep", "full", "op"], True), (["keep", "offload", "offload", "full"], False)])
+    (["offload"], True), (["offload", "keep", "full", "op"], True), (["keep", "offload", "offload", "full"], False),
+    (["full_offload", "offload", "full", "full_offload"], True)])
 def test_offload_is_bitwise_identical_to_no_ac(choices, prefetch, no_ac_run, tmp_path):
     ref_losses, ref_state = no_ac_run
     losses, state = _train(choices, tmp_path, prefetch=prefetch)
@@ -92,6 +94,17 @@ def test_offloaded_blocks_leave_nothing_resident(tmp_path):
     assert per_block["0"] > 100_000 and per_block["3"] > 100_000, per_block
     # Block 1's output is saved (offloaded) by block 2; block 2's output is block 3's input, which block 3 keeps.
     assert per_block["1"] == 0 and per_block["2"] == 256 * 64 * 4, per_block
+
+
+@pytest.mark.parametrize("recompute, kept", [("full_offload", 0), ("full", 256 * 64 * 4)])
+def test_a_recomputed_block_offloads_its_input(recompute, kept, tmp_path):
+    """Block 1's output is block 2's input: full AC keeps it for block 2's recomputation (the control),
+    full_offload moves it to the tier (nothing of block 1 stays alive); block 2's output is block 3's input,
+    which block 3 keeps either way."""
+    model = _model(["keep", recompute, recompute, "keep"], tmp_path)
+    tokens = torch.randint(0, 2048, (1, 257), generator=torch.Generator().manual_seed(0))
+    per_block = activation_bytes(model, lambda: cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:]))
+    assert per_block["1"] == kept and per_block["2"] == 256 * 64 * 4, per_block
 
 
 def test_bad_choices_fail_with_one_line():

@@ -441,16 +441,18 @@ class Memory:
     budget_gib: float = 0.0
     """Per-rank peak memory budget in GiB; 0 = none. Before any rank starts, the planner
     (torchtitan/planning/memory_budget.py) chooses per block keep, op (selective op recompute), full
-    (recompute) or offload, by an exact search for the least predicted step time whose estimated peak stays
-    within the budget; it prints the plan, or refuses with the smallest budget that could work. Needs
+    (recompute), offload or full_offload (recompute from an offloaded input), by an exact search for the
+    least predicted step time whose estimated peak stays within the budget; it prints the plan, or refuses with the smallest budget that could work. Needs
     --activation_checkpoint.mode none (the plan decides recomputation) and empty --memory.block_choices."""
 
     block_choices: list[str] = field(default_factory=list)
     """Per-block choices by hand, one per transformer block in order (or one for every block): keep, op
-    (selective AC, op policy), full (full AC) or offload (saved activations to --memory.offload_dir on CPU,
-    to pinned host memory on CUDA). Empty = --activation_checkpoint decides, or the budget's planner."""
+    (selective AC, op policy), full (full AC), offload (saved activations to --memory.offload_dir on CPU,
+    to pinned host memory on CUDA) or full_offload (full AC whose saved input is offloaded: the block keeps
+    nothing in RAM). Empty = --activation_checkpoint decides, or the budget's planner."""
 
-    plan_choices: list[str] = field(default_factory=lambda: ["keep", "op", "full", "offload", "optimizer"])
+    plan_choices: list[str] = field(default_factory=lambda: ["keep", "op", "full", "offload", "full_offload",
+                                                               "optimizer"])
     """The choices the budget's planner may use per block (e.g. keep,op,full: no offload), and "optimizer":
     it may offload the optimizer state (--memory.offload_optimizer; CPU runs without checkpointing)."""
 

@@ -130,9 +130,10 @@ def apply_ac(model: nn.Module, cfg: ACConfig, *, model_compiled: bool = False) -
     logger.info(f"Activation checkpointing ({label}): {what} of {len(model.layers)} blocks checkpointed")
 
 
-BLOCK_CHOICES = ("keep", "op", "full", "offload")
+BLOCK_CHOICES = ("keep", "op", "full", "offload", "full_offload")
 """What a block does with the activations its backward needs: keep them, recompute the cheap ops (selective
-op), recompute the whole block (full), or offload them."""
+op), recompute the whole block (full), offload them, or recompute the whole block from an offloaded input
+(full_offload: the block keeps nothing in RAM)."""
 
 
 def check_block_choices(mem: MemoryConfig, ac: ACConfig, n_blocks: int) -> None:
@@ -156,13 +157,13 @@ def check_block_choices(mem: MemoryConfig, ac: ACConfig, n_blocks: int) -> None:
 
 
 def apply_block_choices(model: nn.Module, choices: list[str], device: torch.device,
-                        offload_dir: str = "", prefetch: bool = True) -> ActivationOffloader | None:
+                        offload_dir: str = "", prefetch: bool = True) -> list[ActivationOffloader]:
     """Wraps each block of `model.layers` (a whole model or a pipeline stage, whose block keys are the global
-    block indices) by its choice, in place (before compile and FSDP); returns the offloader when a block
-    offloads. One choice applies to every block."""
+    block indices) by its choice, in place (before compile and FSDP); returns the offloaders (none when no
+    block offloads). One choice applies to every block."""
     if not choices:
-        return None
-    offloader = None
+        return []
+    offloader = inputs = None
     counts: dict[str, int] = defaultdict(int)
     for name, block in model.layers.named_children():
         choice = choices[0] if len(choices) == 1 else choices[int(name)]
@@ -174,6 +175,14 @@ def apply_block_choices(model: nn.Module, choices: list[str], device: torch.devi
         elif choice == "offload":
             offloader = offloader or ActivationOffloader(make_tier(device, offload_dir), prefetch)
             model.layers.register_module(name, OffloadedBlock(block, offloader))
+        elif choice == "full_offload":
+            # The checkpoint saves its input through autograd's saved-tensor hooks, so the offloader around
+            # it moves exactly that input (the recomputation's own tensors are not saved). Its own offloader
+            # without prefetch: a block waits for its input's write, and reads it when its recompute starts,
+            # so one input is in RAM at a time and plain offload's prefetch never holds it (the planner's
+            # transient for it is one block's recomputation: planning/memory_budget.py).
+            inputs = inputs or ActivationOffloader(make_tier(device, offload_dir), prefetch=False)
+            model.layers.register_module(name, OffloadedBlock(_wrap_full(block), inputs))
     logger.info("Per-block memory choices: " + ", ".join(f"{n} {c}" for c, n in counts.items())
                 + f" of {len(model.layers)} blocks")
-    return offloader
+    return [o for o in (offloader, inputs) if o is not None]

@@ -186,6 +186,10 @@ class RankWork:
     """Bytes all blocks keep for backward, all microbatches in flight together, when a per-block plan decides
     them (planning/memory_budget.py: keep, op, full or offload per block); None = `ac`'s formula for every
     block."""
+    block_transient_bytes: int = 0
+    """With a per-block plan: the largest a block holds during its own backward beyond what it kept (what
+    recomputation rebuilds, offloaded groups read back). It comes after the loss's temporaries are freed, with
+    the gradients of the blocks already done: see estimate_memory's "block backward" term."""
 
 
 @dataclasses.dataclass
@@ -324,6 +328,17 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
     if not w.grads_live and not w.unsharded_grad_params:
         overlap = min(state.grads, activations + loss_temp)
         c["gradients"] = state.grads - overlap
+    # A per-block plan's transient (recomputation, offloaded groups read back) happens inside a block's
+    # backward: the loss's temporaries are gone by then, and the gradients of the blocks after it exist. In
+    # block i's backward the kept bytes of blocks <= i, i's transient and the gradients of blocks >= i are
+    # alive; both sums are bounded by the whole (exact at the ends of backward, where the peak is measured:
+    # the first block's, with every gradient, for full AC and offload plans on thin blocks). The peak is the
+    # larger of this and the start of backward (activations + loss temporaries, counted above).
+    if w.block_activation_bytes is not None and w.block_transient_bytes:
+        grads = c.get("FSDP unsharded gradients", state.grads)
+        during = w.block_activation_bytes + w.block_transient_bytes + grads
+        at_start = activations + loss_temp + c["gradients"] + c.get("FSDP unsharded gradients", 0)
+        c["block backward (beyond the above)"] = max(0, during - at_start)
     # The optimizer step runs after backward: activations are gone and every gradient is live. Its
     # workspace counts only as far as it takes the step above the forward/backward peak.
     if state.step_workspace:

@@ -1,5 +1,5 @@
-"""Memory budget planner: per transformer block keep, op (selective recompute), full (recompute) or offload,
-the mix with the least predicted step time whose per-rank peak stays within `--memory.budget_gib`.
+"""Memory budget planner: per transformer block keep, op (selective recompute), full (recompute), offload or
+full_offload (recompute from an input that was offloaded), the mix with the least predicted step time whose per-rank peak stays within `--memory.budget_gib`.
 
 SwapAdvisor's question asked of whole blocks. Inputs, per block of the busiest rank (the first pipeline rank,
 which keeps the most microbatches in flight; every stage then uses the plan of its position):
@@ -15,22 +15,28 @@ which keeps the most microbatches in flight; every stage then uses the plan of i
            microbatch, the write (group bytes / tier bandwidth) minus the next block's forward it overlaps, plus
            the read minus the next block's backward (2 forwards) it overlaps (the last block overlaps the
            output projection's forward instead); without prefetch, the write and the read in full. The planner
-           tries offload with and without prefetch (--memory.offload_prefetch) and keeps the better plan
-The peak is the estimator's (planning/memory.py, `RankWork.block_activation_bytes`), monotone in the blocks'
-bytes, so the budget becomes a cap on them (`activation_room`, by bisection).
+           tries offload with and without prefetch (--memory.offload_prefetch) and keeps the better plan.
+           full_offload = full's forward plus its input written and read back in full (never prefetched: it
+           keeps nothing, and holds one block's recomputation, input included, in its backward)
+The peak is the estimator's (planning/memory.py, `RankWork.block_activation_bytes` and
+`block_transient_bytes`): the larger of the start of backward (kept bytes + the loss's temporaries) and a
+block's backward (kept bytes + the largest transient + the gradients), monotone in both, so for each largest
+transient T the budget becomes a cap on the kept bytes (`activation_room(...)(T)`, by bisection).
 
 Search (`solve`): exact. For each candidate largest transient T (0, or any block's transient under any
 allowed choice), a dynamic programme over the blocks, with memory in units of the gcd of the blocks' kept
 bytes (so the discretisation is exact; above MAX_UNITS units bytes are rounded up, which keeps the plan within
 the budget but may miss a plan at its very edge, and the plan says so), minimises the added seconds subject
-to kept bytes <= cap - T, each block limited to the choices whose transient is <= T. The best over all T is
+to kept bytes <= the cap for T, each block limited to the choices whose transient is <= T. The best over all T is
 optimal: the optimal plan's largest transient is one of the candidates. `brute_force` checks it
 (tests/unit/test_memory_budget.py), and the same check catches a greedy rule.
 """
 
 import dataclasses
+import functools
 import itertools
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -46,7 +52,7 @@ from torchtitan.planning.memory import (
 )
 from torchtitan.planning.step_time import DEFAULT_MFU
 
-CHOICES = ("keep", "op", "full", "offload")
+CHOICES = ("keep", "op", "full", "offload", "full_offload")
 RESIDENT_GROUPS = 2
 """Offloaded groups resident at once (see the module docstring)."""
 OFFLOAD_BANDWIDTH_CPU = 1.0
@@ -64,7 +70,8 @@ MAX_UNITS = 1_000_000
 @dataclasses.dataclass(frozen=True)
 class BlockCost:
     bytes: tuple[int, ...]
-    """Bytes the block keeps for backward until its backward, per choice of CHOICES (offload: 0)."""
+    """Bytes the block keeps for backward until its backward, per choice of CHOICES (offload, full_offload:
+    0)."""
     seconds: tuple[float, ...]
     """Seconds the choice adds to a step, per choice of CHOICES (keep: 0)."""
     transient: tuple[int, ...]
@@ -82,12 +89,38 @@ class BlockPlan:
     """Seconds the plan adds to a step."""
     exact: bool = True
     """False when the memory axis was coarsened (bytes rounded up; see the module docstring)."""
+    transient_bytes: int = 0
+    """The largest transient (part of activation_bytes)."""
+
+    @property
+    def kept_bytes(self) -> int:
+        return self.activation_bytes - self.transient_bytes
+
+
+def kept_and_transient(blocks: list[BlockCost], choices: tuple[str, ...]) -> tuple[int, int]:
+    """(every block's kept bytes, the largest transient) of `choices`."""
+    idx = [CHOICES.index(c) for c in choices]
+    return sum(b.bytes[i] for b, i in zip(blocks, idx)), max(b.transient[i] for b, i in zip(blocks, idx))
 
 
 def activation_bytes(blocks: list[BlockCost], choices: tuple[str, ...]) -> int:
     """What `choices` need: every block's kept bytes, plus the largest transient."""
-    idx = [CHOICES.index(c) for c in choices]
-    return sum(b.bytes[i] for b, i in zip(blocks, idx)) + max(b.transient[i] for b, i in zip(blocks, idx))
+    return sum(kept_and_transient(blocks, choices))
+
+
+Room = int | Callable[[int], int]
+"""What fits: an int = the most kept bytes + largest transient; a function = the most kept bytes given the
+largest transient (the estimator's peak is not a plain sum of the two: memory.estimate_memory)."""
+
+
+def _cap(room: Room, transient: int) -> int:
+    """The most kept bytes `room` allows beside a largest transient of `transient` bytes."""
+    return room(transient) if callable(room) else room - transient
+
+
+def _plan(blocks: list[BlockCost], choices: tuple[str, ...], exact: bool = True) -> BlockPlan:
+    kept, transient = kept_and_transient(blocks, choices)
+    return BlockPlan(choices, kept + transient, plan_seconds(blocks, choices), exact, transient)
 
 
 def plan_seconds(blocks: list[BlockCost], choices: tuple[str, ...]) -> float:
@@ -97,17 +130,17 @@ def plan_seconds(blocks: list[BlockCost], choices: tuple[str, ...]) -> float:
     return total
 
 
-def brute_force(blocks: list[BlockCost], room: int, allowed: tuple[str, ...] = CHOICES) -> BlockPlan | None:
+def brute_force(blocks: list[BlockCost], room: Room, allowed: tuple[str, ...] = CHOICES) -> BlockPlan | None:
     """Every combination; the least seconds, then the least bytes. For tests and tiny models."""
     best = None
     for choices in itertools.product(allowed, repeat=len(blocks)):
-        used = activation_bytes(blocks, choices)
-        if used > room:
+        kept, transient = kept_and_transient(blocks, choices)
+        if kept > _cap(room, transient):
             continue
-        key = (plan_seconds(blocks, choices), used)
+        key = (plan_seconds(blocks, choices), kept + transient)
         if best is None or key < best[0]:
             best = (key, choices)
-    return None if best is None else BlockPlan(best[1], best[0][1], best[0][0])
+    return None if best is None else _plan(blocks, best[1])
 
 
 def _dp(blocks: list[BlockCost], allowed: list[list[int]], room: int,
@@ -145,14 +178,14 @@ def _dp(blocks: list[BlockCost], allowed: list[list[int]], room: int,
     return tuple(reversed(choices)), exact
 
 
-def solve(blocks: list[BlockCost], room: int, allowed: tuple[str, ...] = CHOICES,
+def solve(blocks: list[BlockCost], room: Room, allowed: tuple[str, ...] = CHOICES,
           max_units: int = MAX_UNITS) -> BlockPlan | None:
-    """The plan with the least added seconds whose activation bytes are <= `room` (None: nothing fits),
-    using only the `allowed` choices (`max_units`: the memory axis's largest size, see the module docstring)."""
+    """The plan with the least added seconds that fits `room` (None: nothing fits), using only the
+    `allowed` choices (`max_units`: the memory axis's largest size, see the module docstring)."""
     best: BlockPlan | None = None
     ok = [CHOICES.index(c) for c in allowed]
     for largest in sorted({t for b in blocks for c, t in enumerate(b.transient) if c in ok}):
-        cap = room - largest
+        cap = _cap(room, largest)
         if cap < 0:
             continue
         options = [[c for c in ok if b.transient[c] <= largest] for b in blocks]
@@ -162,22 +195,27 @@ def solve(blocks: list[BlockCost], room: int, allowed: tuple[str, ...] = CHOICES
         if found is None:
             continue
         choices, exact = found
-        plan = BlockPlan(choices, activation_bytes(blocks, choices), plan_seconds(blocks, choices), exact)
+        plan = _plan(blocks, choices, exact)
         if best is None or (plan.seconds, plan.activation_bytes) < (best.seconds, best.activation_bytes):
             best = plan
     return best
 
 
-def least_bytes(blocks: list[BlockCost], allowed: tuple[str, ...] = CHOICES) -> int:
-    """The fewest activation bytes any plan of the `allowed` choices needs."""
+def least_kept(blocks: list[BlockCost], allowed: tuple[str, ...] = CHOICES) -> list[tuple[int, int]]:
+    """(the fewest kept bytes, largest transient) of the `allowed` choices, for each largest transient some
+    plan can have."""
     ok = [CHOICES.index(c) for c in allowed]
-    best = None
+    pairs = []
     for largest in sorted({t for b in blocks for c, t in enumerate(b.transient) if c in ok}):
         options = [[c for c in ok if b.transient[c] <= largest] for b in blocks]
         if all(options):
-            need = largest + sum(min(b.bytes[c] for c in o) for b, o in zip(blocks, options))
-            best = need if best is None else min(best, need)
-    return best
+            pairs.append((sum(min(b.bytes[c] for c in o) for b, o in zip(blocks, options)), largest))
+    return pairs
+
+
+def least_bytes(blocks: list[BlockCost], allowed: tuple[str, ...] = CHOICES) -> int:
+    """The fewest activation bytes (kept + largest transient) any plan of the `allowed` choices needs."""
+    return min(kept + t for kept, t in least_kept(blocks, allowed))
 
 
 # ---- from a job to block costs ---------------------------------------------------------------------------
@@ -256,34 +294,47 @@ def block_costs(shape: ModelShape, work: RankWork, seq_len: int, microbatches: i
     output = tokens * 2 * shape.dim * shape.vocab / w.tp / flops if w.holds_output else 0.0
     group, op, full = (int(tokens * block_elems_per_token(shape, c, w.tp) * w.act_bytes)
                        for c in ("none", "op", "full"))
-    kept = (int(group * w.in_flight), int(op * w.in_flight), int(full * w.in_flight), 0)
-    # Recomputation rebuilds, during the block's backward, what keep would have kept and the choice did not.
-    transient = (0, group - op, group - full, (RESIDENT_GROUPS if prefetch else 1) * group)
+    kept = (int(group * w.in_flight), int(op * w.in_flight), int(full * w.in_flight), 0, 0)
+    # Recomputation rebuilds, during the block's backward, what keep would have kept and the choice did not;
+    # full_offload's input comes back for it (its own group, never prefetched: one group in RAM).
+    transient = (0, group - op, group - full, (RESIDENT_GROUPS if prefetch else 1) * group, group)
     move = group / bandwidth
     costs = []
     for i in range(w.blocks):
         overlap = forward if i + 1 < w.blocks else output
         offload = max(0.0, move - overlap) + max(0.0, move - 2 * overlap) if prefetch else 2 * move
-        seconds = (0.0, OP_RECOMPUTE_FRACTION * forward, forward, offload)
+        # full_offload: the recompute, and its input written (the forward waits) and read back (the
+        # recompute waits) in full.
+        seconds = (0.0, OP_RECOMPUTE_FRACTION * forward, forward, offload, forward + 2 * full / bandwidth)
         costs.append(BlockCost(kept, tuple(microbatches * x for x in seconds), transient))
     return costs, forward, output
 
 
-def _peak(shape, state, work, block_bytes: int) -> MemoryEstimate:
-    return estimate_memory(shape, state, dataclasses.replace(work, block_activation_bytes=block_bytes))
+def _peak(shape, state, work, kept: int, transient: int = 0) -> MemoryEstimate:
+    return estimate_memory(shape, state, dataclasses.replace(work, block_activation_bytes=kept,
+                                                             block_transient_bytes=transient))
 
 
-def activation_room(shape, state, work, budget: int) -> int:
-    """The most block activation bytes whose estimated peak is within `budget` (-1: not even none)."""
-    if _peak(shape, state, work, 0).peak > budget:
-        return -1
-    lo, hi = 0, 1
-    while _peak(shape, state, work, hi).peak <= budget:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if _peak(shape, state, work, mid).peak <= budget else (lo, mid)
-    return lo
+def plan_memory(shape, state, work, plan: BlockPlan) -> MemoryEstimate:
+    """The estimated peak of a per-block plan."""
+    return _peak(shape, state, work, plan.kept_bytes, plan.transient_bytes)
+
+
+def activation_room(shape, state, work, budget: int) -> Callable[[int], int]:
+    """room(T) = the most kept block bytes whose estimated peak, beside a largest transient of T bytes, is
+    within `budget` (-1: none). The peak is monotone in both (planning/memory.py), so: bisection."""
+    @functools.lru_cache(maxsize=None)
+    def room(transient: int) -> int:
+        if _peak(shape, state, work, 0, transient).peak > budget:
+            return -1
+        lo, hi = 0, 1
+        while _peak(shape, state, work, hi, transient).peak <= budget:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if _peak(shape, state, work, mid, transient).peak <= budget else (lo, mid)
+        return lo
+    return room
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,8 +361,8 @@ class _Inputs:
 
     def least_peak(self, seq_len: int, allowed: tuple[str, ...]) -> int:
         allowed = tuple(c for c in allowed if c in CHOICES)  # "optimizer" is self.offloaded
-        least = min(least_bytes(self.costs(seq_len, pre)[0], allowed) for pre in (True, False))
-        return min(_peak(self.shape, state, self.work, least).peak for state, _ in self.states())
+        pairs = [p for pre in (True, False) for p in least_kept(self.costs(seq_len, pre)[0], allowed)]
+        return min(_peak(self.shape, state, self.work, kept, t).peak for state, _ in self.states() for kept, t in pairs)
 
 
 def _inputs(cfg, plan, flops: float | None, on_gpu: bool | None, mfu: float) -> _Inputs:
@@ -376,7 +427,7 @@ def plan_budget(cfg, plan, *, flops: float | None = None, on_gpu: bool | None = 
         extra = x.optimizer_seconds if optimizer_offloaded else 0.0
         for pre in (True, False):
             costs, forward, output = x.costs(cfg.training.seq_len, pre)
-            candidate = solve(costs, room, allowed) if room >= 0 else None
+            candidate = solve(costs, room, allowed)
             if candidate is None:
                 continue
             key = (candidate.seconds + extra, candidate.activation_bytes)
@@ -388,12 +439,13 @@ def plan_budget(cfg, plan, *, flops: float | None = None, on_gpu: bool | None = 
         raise ValueError(f"--memory.budget_gib {mem.budget_gib} cannot be met: the least any plan of "
                          f"{'/'.join(allowed)} per block needs is {math.ceil(least / 2**30 * 1e4) / 1e4:.4f} GiB "
                          f"per rank; raise the budget to that, shard more or lower --training.local_batch_size"
-                         + ("" if "offload" in allowed else " (or allow offload in --memory.plan_choices)"))
+                         + ("" if {"offload", "full_offload"} <= set(allowed)
+                            else " (or allow offload and full_offload in --memory.plan_choices)"))
     pd = plan.parallel_dims
     choices = tuple(list(found.choices) * pd.pp)[: len(plan.model.layers)]
     base = 3 * x.microbatches * (x.work.blocks * forward + output)
     (seconds, _), state, optimizer_offloaded = best
-    return BudgetPlan(budget, found, choices, _peak(x.shape, state, x.work, found.activation_bytes),
+    return BudgetPlan(budget, found, choices, plan_memory(x.shape, state, x.work, found),
                       base + seconds, base, x.bandwidth, prefetch or "offload" not in found.choices,
                       optimizer_offloaded, x.work.on_gpu)
 

@@ -30,6 +30,7 @@ from torchtitan.planning.memory_budget import (
     BlockPlan,
     activation_room,
     block_costs,
+    plan_memory,
     solve,
 )
 from torchtitan.planning.schedule_order import bubble_fraction
@@ -251,13 +252,13 @@ def _budget_plan(shape: ModelShape, state: StateBytes, work: RankWork, limit: fl
     best: BlockPlan | None = None
     for prefetch in (True, False):
         costs, _, _ = block_costs(shape, work, seq_len, microbatches, flops, bandwidth, prefetch)
-        found = solve(costs, room, max_units=BUDGET_MAX_UNITS) if room >= 0 else None
+        found = solve(costs, room, max_units=BUDGET_MAX_UNITS)
         if found is not None and (best is None or (found.seconds, found.activation_bytes)
                                   < (best.seconds, best.activation_bytes)):
             best = found
     if best is None:
         raise MemoryError(f"no per-block plan within {limit / 2**30:.1f} GiB")
-    return estimate_memory(shape, state, dataclasses.replace(work, block_activation_bytes=best.activation_bytes)), best
+    return plan_memory(shape, state, work, best), best
 
 
 def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, seq_len: int,
@@ -394,7 +395,7 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
         per = collective_time(device, L.tp, full, L.tp, network)
         # 2 all-gathers + 2 reduce-scatters in forward, as many in backward; recomputation repeats the
         # forward's 4 under full AC and, under op AC, the 2 all-gathers (only reduce-scatter outputs are saved).
-        repeats = {"none": 0, "op": 2, "full": 4}
+        repeats = {"none": 0, "op": 2, "full": 4, "full_offload": 4}
         count = 8 + (sum(repeats.get(c, 0) for c in L.block_plan) / len(L.block_plan) if L.ac == BUDGET_AC
                      else repeats[L.ac])
         comm = count * per
