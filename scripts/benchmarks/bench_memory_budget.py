@@ -1,21 +1,23 @@
 """Memory budget on this CPU: the planned runs against no AC and full AC, measured.
 
-    python scripts/benchmarks/bench_memory_budget.py [--flavor debugmodel] [--layers 16] [--seq-len 512] [--batch 8]
-                                          [--steps 3] [--offload-dir DIR]
+    python scripts/benchmarks/bench_memory_budget.py [--flavor debugmodel] [--layers 16] [--seq-len 512]
+                                          [--batch 16] [--steps 2] [--offload-dir DIR]
 
 1. Measures the file tier's bandwidth (256 MiB written and read back through the offload's own code).
-2. Predicts, with the planner's accounting, the training memory of no AC, of full AC, of the least plan of the
-   blocks and of the least with the optimizer state offloaded too, and picks three budgets: A, halfway between
-   full AC and no AC (no AC does not fit: recompute where it is cheapest); B, below full AC (only activation
-   offload meets it; the planner is asked for it without offload and must refuse); C, below the least plan of
-   the blocks (only offloading the optimizer state as well meets it).
-3. Trains each variant in a fresh process (the real entry point, torchtitan.train.main; fp32, deterministic,
-   the same batches, every run with --memory.cpu_return_freed): no AC, full AC, budgets A, B, C.
+2. Trains no AC and full AC, each in a fresh process (the real entry point, torchtitan.train.main; fp32,
+   deterministic, the same batches, every run with --memory.cpu_return_freed).
+3. The runtime the estimator does not model (torch's libraries, the data loader, thread pools): measured in
+   the no-AC run after its last optimizer step, when no activation is alive, as its RSS less the parameters,
+   gradients and optimizer state the estimator counts. Every prediction is the planner's figure + this runtime,
+   and a budget is met when the run measures <= budget + runtime.
+4. Picks three budgets: A, halfway between full AC and no AC (no AC does not fit: recompute where it is
+   cheapest); B, below full AC's MEASURED peak (halfway between it and the least plan of the blocks): only
+   activation offload (offload, full_offload per block) meets it, and the planner asked without them must
+   refuse; C, below the least plan of the blocks (only offloading the optimizer state as well meets it). Trains
+   each in a fresh process.
 Per run it prints the training memory measured = peak RSS - the RSS of the process before the trainer started
-(the interpreter, torch and its libraries: not what a budget is for), its median step time (steps 2..N) and
-its ratio to full AC's, the predicted peak (the planner's, plus the runtime the estimator does not model,
-calibrated once as what the no-AC run measured beyond its prediction) and whether its losses equal no AC's
-bitwise. The measured peak is compared with budget + runtime. Run it with the machine otherwise idle for the
+(the interpreter: not what a budget is for), its median step time (steps 2..N) and its ratio to full AC's, the
+predicted peak and whether its losses equal no AC's bitwise. Run it with the machine otherwise idle for the
 step times (/work/coord/bin/quiet on the shared machine); it prints the load average before and after.
 """
 
@@ -38,6 +40,10 @@ def _rss() -> int:
 def run_one(argv: list[str]) -> None:
     """In a fresh process: train with `argv`, print a JSON line of what was measured."""
     baseline = _rss()
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    after_step = []  # RSS after each optimizer step: no activation alive then
+    register_optimizer_step_post_hook(lambda *_: after_step.append(_rss()))
     from torchtitan.train import main
 
     code = main(argv)
@@ -52,6 +58,7 @@ def run_one(argv: list[str]) -> None:
     tokens = steps[1]["tokens_seen"] - steps[0]["tokens_seen"] if len(steps) > 1 else 0
     times = [tokens / m["tps"] for m in steps[1:] if m.get("tps")]
     print("RESULT " + json.dumps({"code": code, "baseline": baseline, "peak": peak,
+                                  "after_step": after_step[-1] if after_step else None,
                                   "losses": [m["loss"] for m in steps],
                                   "step_s": statistics.median(times) if times else None}), flush=True)
 
@@ -74,8 +81,8 @@ def main() -> int:
     ap.add_argument("--flavor", default="debugmodel")
     ap.add_argument("--layers", type=int, default=16, help="transformer blocks (--model.overrides n_layers)")
     ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--offload-dir", default="")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -85,7 +92,8 @@ def main() -> int:
 
     from torchtitan.distributed.activation_offload import measure_file_bandwidth
     from torchtitan.job_plan import plan_job
-    from torchtitan.planning.memory_budget import least_budget, plan_budget
+    from torchtitan.planning.memory_budget import _inputs, least_budget, plan_budget
+    from torchtitan.planning.step_time import DEFAULT_MFU
     from torchtitan.protocols.train_spec import config_manager
 
     print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
@@ -102,52 +110,58 @@ def main() -> int:
               str(a.batch), "--training.steps", str(a.steps), "--training.mixed_precision_param", "float32",
               "--metrics.log_freq", "1", "--debug.seed", "7", "--debug.deterministic", "--memory.cpu_return_freed",
               "--memory.offload_dir", offload_dir, "--memory.offload_bandwidth_gbps", f"{gbps:.3f}"]
-    blocks_only = ["--memory.plan_choices", "keep,op,full,offload"]
+    blocks_only = ["--memory.plan_choices", "keep,op,full,offload,full_offload"]
+
+    def parse(extra: list[str]):
+        cfg = config_manager().parse_args(common + ["--job.dump_folder", work] + extra)
+        return cfg, plan_job(cfg, 1)
 
     def predicted(extra: list[str]) -> int:
-        cfg = config_manager().parse_args(common + ["--job.dump_folder", work] + extra)
-        return plan_budget(cfg, plan_job(cfg, 1)).memory.peak
+        return plan_budget(*parse(extra)).memory.peak
 
     def least(extra: list[str]) -> int:
-        cfg = config_manager().parse_args(common + ["--job.dump_folder", work, "--memory.budget_gib", "1000"] + extra)
-        return least_budget(cfg, plan_job(cfg, 1))
+        return least_budget(*parse(["--memory.budget_gib", "1000"] + extra))
+
+    def run(name: str, extra: list[str]) -> dict:
+        r = _child(common + ["--job.dump_folder", os.path.join(work, name.replace(" ", "_"))] + extra)
+        print(f"  {name}: done, load average {os.getloadavg()[0]:.1f}", flush=True)
+        return r
 
     keep = predicted(["--memory.budget_gib", "1000", "--memory.plan_choices", "keep"])
     full = predicted(["--memory.budget_gib", "1000", "--memory.plan_choices", "full"])
     least_blocks, least_all = least(blocks_only), least([])
+    results = {"no AC": run("no AC", []), "full AC": run("full AC", ["--activation_checkpoint.mode", "full"])}
+    # What the estimator does not model: the no-AC run's RSS after its last optimizer step (no activation
+    # alive) less the parameters, gradients and optimizer state it counts.
+    state = _inputs(*parse(["--memory.budget_gib", "1000"]), 1e11, None, DEFAULT_MFU).state  # (flops: unused here)
+    ref = results["no AC"]
+    runtime = ref["after_step"] - ref["baseline"] - (state.params + state.grads + state.optimizer + state.buffers)
+    full_measured = results["full AC"]["peak"] - results["full AC"]["baseline"]
     budget_a = (full + keep) / 2
-    budget_b = least_blocks + 0.5 * (full - least_blocks)
+    budget_b = least_blocks + 0.5 * (full_measured - runtime - least_blocks)
+    if budget_b <= least_blocks:  # a shape too small: full AC measured no more than offload's least plan
+        print("full AC measured below the least plan of the blocks: budget B cannot show offload (a larger shape)")
+        budget_b = least_blocks * 1.001
     budget_c = least_all + 0.5 * (least_blocks - least_all)
+    print(f"runtime beyond the estimator (no-AC run after its optimizer step): {runtime / GIB:.3f} GiB")
     print(f"predicted training memory: no AC {keep / GIB:.3f} GiB, full AC {full / GIB:.3f} GiB, least plan of the "
           f"blocks {least_blocks / GIB:.3f} GiB, least with the optimizer state offloaded {least_all / GIB:.3f} GiB; "
+          f"full AC measured {full_measured / GIB:.3f} GiB = {(full_measured - runtime) / GIB:.3f} + runtime; "
           f"budgets A {budget_a / GIB:.3f}, B {budget_b / GIB:.3f}, C {budget_c / GIB:.3f} GiB")
-
-    cfg = config_manager().parse_args(common + ["--job.dump_folder", work, "--memory.budget_gib",
-                                                f"{budget_b / GIB:.4f}", "--memory.plan_choices", "keep,op,full"])
+    cfg, plan = parse(["--memory.budget_gib", f"{budget_b / GIB:.4f}", "--memory.plan_choices", "keep,op,full"])
     try:
-        plan_budget(cfg, plan_job(cfg, 1))
+        plan_budget(cfg, plan)
         print("budget B without offload: met (unexpected)")
     except ValueError as e:
         print(f"budget B without offload: refused: {e}")
 
-    runs = {
-        "no AC": [],
-        "full AC": ["--activation_checkpoint.mode", "full"],
+    for name, extra in {
         "budget A": ["--memory.budget_gib", f"{budget_a / GIB:.4f}"],
         "budget B": ["--memory.budget_gib", f"{budget_b / GIB:.4f}"] + blocks_only,
         "budget C": ["--memory.budget_gib", f"{budget_c / GIB:.4f}"],
-    }
-    results = {}
-    for name, extra in runs.items():
-        results[name] = _child(common + ["--job.dump_folder", os.path.join(work, name.replace(" ", "_"))] + extra)
-        print(f"  {name}: done, load average {os.getloadavg()[0]:.1f}", flush=True)
+    }.items():
+        results[name] = run(name, extra)
     ref = results["no AC"]["losses"]
-    # The process's runtime beyond the interpreter and torch (the data loader, tokenizer, thread pools, the
-    # allocator's arenas), which the estimator does not model on CPU: what the no-AC run measured beyond its
-    # prediction. Every other run is predicted as the planner's figure + this runtime, and its budget is met
-    # when it measures <= budget + runtime.
-    runtime = results["no AC"]["peak"] - results["no AC"]["baseline"] - keep
-    print(f"\nruntime beyond the estimator (from the no-AC run): {runtime / GIB:.3f} GiB")
     print(f"{'run':<10} {'budget GiB':>10} {'predicted GiB':>13} {'measured GiB':>12} {'pred/meas':>9} "
           f"{'meas/(budget+runtime)':>21} {'step s':>7} {'vs full AC':>10} {'losses == no AC':>15}")
     for name, r in results.items():
@@ -161,6 +175,7 @@ def main() -> int:
         print(f"{name:<10} {budget / GIB if budget else float('nan'):>10.3f} {pred / GIB:>13.3f} "
               f"{measured / GIB:>12.3f} {pred / measured:>9.3f} {within:>21} {r['step_s']:>7.2f} "
               f"{r['step_s'] / results['full AC']['step_s']:>10.3f} {str(r['losses'] == ref):>15}")
+    print(f"budget B + runtime = {(budget_b + runtime) / GIB:.3f} GiB vs full AC measured {full_measured / GIB:.3f} GiB")
     for name in ("budget A", "budget B", "budget C"):
         print(f"{name}: {results[name]['plan']}")
     print(f"load average after: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")

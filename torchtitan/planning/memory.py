@@ -329,14 +329,18 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
         overlap = min(state.grads, activations + loss_temp)
         c["gradients"] = state.grads - overlap
     # A per-block plan's transient (recomputation, offloaded groups read back) happens inside a block's
-    # backward: the loss's temporaries are gone by then, and the gradients of the blocks after it exist. In
-    # block i's backward the kept bytes of blocks <= i, i's transient and the gradients of blocks >= i are
-    # alive; both sums are bounded by the whole (exact at the ends of backward, where the peak is measured:
-    # the first block's, with every gradient, for full AC and offload plans on thin blocks). The peak is the
-    # larger of this and the start of backward (activations + loss temporaries, counted above).
+    # backward: the loss's temporaries are gone by then, and the gradients of the blocks after it exist, with
+    # the block's backward workspace (the gradients of its element-wise intermediates, alive together: taken
+    # as what op AC does not keep, none - op elements per token; at the benchmark's shape that is 2,560
+    # elements per token, 40 MiB, where ~40 MiB was measured beside the gradients and the group read back).
+    # In block i's backward the kept bytes of blocks <= i and the gradients of blocks >= i are alive: both are
+    # bounded by the whole, which is exact at either end of backward (the measured peak of full AC and
+    # offload plans on thin blocks is at the first block's, every gradient made). The peak is the larger of
+    # this and the start of backward (activations + loss temporaries, counted above).
     if w.block_activation_bytes is not None and w.block_transient_bytes:
         grads = c.get("FSDP unsharded gradients", state.grads)
-        during = w.block_activation_bytes + w.block_transient_bytes + grads
+        workspace = (block_elems_per_token(shape, "none", w.tp) - block_elems_per_token(shape, "op", w.tp))
+        during = w.block_activation_bytes + w.block_transient_bytes + grads + int(tokens * workspace * w.act_bytes)
         at_start = activations + loss_temp + c["gradients"] + c.get("FSDP unsharded gradients", 0)
         c["block backward (beyond the above)"] = max(0, during - at_start)
     # The optimizer step runs after backward: activations are gone and every gradient is live. Its

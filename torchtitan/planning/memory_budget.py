@@ -253,7 +253,7 @@ class BudgetPlan:
         return (f"memory plan for a budget of {self.budget_bytes / 2**30:.2f} GiB per rank: blocks {blocks}"
                 + ("" if self.prefetch else " (offload without prefetch)")
                 + ("; optimizer state offloaded to files" if self.offload_optimizer else "") +
-                f"; predicted peak {self.memory.peak / 2**30:.2f} GiB, predicted step {self.step_seconds:.3f} s "
+                f"; predicted peak {self.memory.peak / 2**30:.3f} GiB, predicted step {self.step_seconds:.3f} s "
                 f"({self.base_seconds:.3f} s without recompute or offload, +{self.step_seconds - self.base_seconds:.3f} s){note}")
 
 
