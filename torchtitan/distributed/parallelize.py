@@ -11,7 +11,7 @@ pipeline stage (distributed.pipeline cuts the model first and calls the family's
            column-wise with loss parallel) and the family's block plan; float8 styles where Float8 TP is on,
            async TP where configured. Between blocks activations are sequence shards (Shard(1)).
   EP       every MoE layer's routed experts split over the ep ranks (distributed.expert_parallel.apply_ep).
-  AC       per block (distributed.activation_checkpoint; or keep/op/full/offload per block from
+  AC       per block (distributed.activation_checkpoint; or keep/op/full/offload/full_offload per block from
            --memory.block_choices), then compile per block, then FSDP: blocks,
            embedding, norm + output, and the routed experts as their own groups over the expert mesh.
 

@@ -184,7 +184,7 @@ class RankWork:
     head-sharded attention output beside the sequence-sharded copy its output projection keeps."""
     block_activation_bytes: int | None = None
     """Bytes all blocks keep for backward, all microbatches in flight together, when a per-block plan decides
-    them (planning/memory_budget.py: keep, op, full or offload per block); None = `ac`'s formula for every
+    them (planning/memory_budget.py: keep, op, full, offload or full_offload per block); None = `ac`'s formula for every
     block."""
     block_transient_bytes: int = 0
     """With a per-block plan: the largest a block holds during its own backward beyond what it kept (what
@@ -329,18 +329,16 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
         overlap = min(state.grads, activations + loss_temp)
         c["gradients"] = state.grads - overlap
     # A per-block plan's transient (recomputation, offloaded groups read back) happens inside a block's
-    # backward: the loss's temporaries are gone by then, and the gradients of the blocks after it exist, with
-    # the block's backward workspace (the gradients of its element-wise intermediates, alive together: taken
-    # as what op AC does not keep, none - op elements per token; at the benchmark's shape that is 2,560
-    # elements per token, 40 MiB, where ~40 MiB was measured beside the gradients and the group read back).
-    # In block i's backward the kept bytes of blocks <= i and the gradients of blocks >= i are alive: both are
-    # bounded by the whole, which is exact at either end of backward (the measured peak of full AC and
-    # offload plans on thin blocks is at the first block's, every gradient made). The peak is the larger of
-    # this and the start of backward (activations + loss temporaries, counted above).
+    # backward: the loss's temporaries are gone by then, and the gradients of the blocks after it exist. (The
+    # block's own backward temporaries, the gradients of its intermediates, grow as it frees the saved tensors
+    # they replace: they do not come on top of the whole transient.) In block i's backward the kept bytes of
+    # blocks <= i and the gradients of blocks >= i are alive: both are bounded by the whole, which is exact at
+    # either end of backward (the measured peak of full AC and offload plans on thin blocks is in the blocks'
+    # backward, at the first block's with every gradient made). The peak is the larger of this and the start
+    # of backward (activations + loss temporaries, counted above).
     if w.block_activation_bytes is not None and w.block_transient_bytes:
         grads = c.get("FSDP unsharded gradients", state.grads)
-        workspace = (block_elems_per_token(shape, "none", w.tp) - block_elems_per_token(shape, "op", w.tp))
-        during = w.block_activation_bytes + w.block_transient_bytes + grads + int(tokens * workspace * w.act_bytes)
+        during = w.block_activation_bytes + w.block_transient_bytes + grads
         at_start = activations + loss_temp + c["gradients"] + c.get("FSDP unsharded gradients", 0)
         c["block backward (beyond the above)"] = max(0, during - at_start)
     # The optimizer step runs after backward: activations are gone and every gradient is live. Its

@@ -46,8 +46,8 @@ from torchtitan.planning.step_time import (
 
 AC_MODES = ("none", "op", "full")
 BUDGET_AC = "budget"
-"""The AC "mode" of a layout judged under --memory-budget-gib: keep, op, full or offload chosen per block by the
-memory-budget planner (planning/memory_budget.py), the fastest mix whose peak stays within the budget."""
+"""The AC "mode" of a layout judged under --memory-budget-gib: keep, op, full, offload or full_offload chosen per
+block by the memory-budget planner (planning/memory_budget.py), the fastest mix whose peak stays within the budget."""
 BUDGET_MAX_UNITS = 4096
 """Memory axis of the per-block search inside the layout planner (it runs once per layout; bytes are rounded
 up to 1/4096 of the room, so a plan stays within the budget and may miss one at its very edge)."""
@@ -246,7 +246,7 @@ def block_runs(choices: tuple[str, ...]) -> str:
 
 def _budget_plan(shape: ModelShape, state: StateBytes, work: RankWork, limit: float, seq_len: int,
                  microbatches: int, flops: float, bandwidth: float) -> tuple[MemoryEstimate, BlockPlan]:
-    """The fastest per-block plan of keep/op/full/offload whose estimated peak is within `limit` (the memory
+    """The fastest per-block plan of keep/op/full/offload/full_offload whose estimated peak is within `limit` (the memory
     budget planner's own formulas and search, planning/memory_budget.py); MemoryError when none is."""
     room = activation_room(shape, state, work, int(limit))
     best: BlockPlan | None = None
@@ -501,7 +501,7 @@ def plan_layouts(shape: ModelShape, device: Device, devices: int, seq_len: int, 
     use exactly these model-parallel dimensions (a subset of MODEL_PARALLEL; data parallel takes the rest);
     None keeps all. `memory_headroom`: the fraction of the device's memory a layout must leave free.
     `budget_bytes` (--memory-budget-gib, 0 = none): a per-rank peak every layout must stay within, and each
-    layout is also judged with the memory-budget planner's per-block plan of keep/op/full/offload."""
+    layout is also judged with the memory-budget planner's per-block plan of keep/op/full/offload/full_offload."""
     if model_parallel is not None:
         _check_model_parallel(model_parallel)
     memory_limit(device, memory_headroom)  # a bad fraction fails here, not as "nothing fits"
