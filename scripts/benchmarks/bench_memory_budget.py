@@ -175,7 +175,8 @@ def main() -> int:
         print(f"{name:<10} {budget / GIB if budget else float('nan'):>10.3f} {pred / GIB:>13.3f} "
               f"{measured / GIB:>12.3f} {pred / measured:>9.3f} {within:>21} {r['step_s']:>7.2f} "
               f"{r['step_s'] / results['full AC']['step_s']:>10.3f} {str(r['losses'] == ref):>15}")
-    print(f"budget B + runtime = {(budget_b + runtime) / GIB:.3f} GiB vs full AC measured {full_measured / GIB:.3f} GiB")
+    print(f"budget B + runtime = {(budget_b + runtime) / GIB:.3f} GiB vs full AC measured "
+          f"{full_measured / GIB:.3f} GiB")
     for name in ("budget A", "budget B", "budget C"):
         print(f"{name}: {results[name]['plan']}")
     print(f"load average after: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")

@@ -442,8 +442,9 @@ class Memory:
     """Per-rank peak memory budget in GiB; 0 = none. Before any rank starts, the planner
     (torchtitan/planning/memory_budget.py) chooses per block keep, op (selective op recompute), full
     (recompute), offload or full_offload (recompute from an offloaded input), by an exact search for the
-    least predicted step time whose estimated peak stays within the budget; it prints the plan, or refuses with the smallest budget that could work. Needs
-    --activation_checkpoint.mode none (the plan decides recomputation) and empty --memory.block_choices."""
+    least predicted step time whose estimated peak stays within the budget; it prints the plan, or refuses with
+    the smallest budget that could work. Needs --activation_checkpoint.mode none (the plan decides
+    recomputation) and empty --memory.block_choices."""
 
     block_choices: list[str] = field(default_factory=list)
     """Per-block choices by hand, one per transformer block in order (or one for every block): keep, op

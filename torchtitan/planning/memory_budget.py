@@ -1,5 +1,6 @@
 """Memory budget planner: per transformer block keep, op (selective recompute), full (recompute), offload or
-full_offload (recompute from an input that was offloaded), the mix with the least predicted step time whose per-rank peak stays within `--memory.budget_gib`.
+full_offload (recompute from an input that was offloaded), the mix with the least predicted step time whose
+per-rank peak stays within `--memory.budget_gib`.
 
 SwapAdvisor's question asked of whole blocks. Inputs, per block of the busiest rank (the first pipeline rank,
 which keeps the most microbatches in flight; every stage then uses the plan of its position):
@@ -27,8 +28,8 @@ Search (`solve`): exact. For each candidate largest transient T (0, or any block
 allowed choice), a dynamic programme over the blocks, with memory in units of the gcd of the blocks' kept
 bytes (so the discretisation is exact; above MAX_UNITS units bytes are rounded up, which keeps the plan within
 the budget but may miss a plan at its very edge, and the plan says so), minimises the added seconds subject
-to kept bytes <= the cap for T, each block limited to the choices whose transient is <= T. The best over all T is
-optimal: the optimal plan's largest transient is one of the candidates. `brute_force` checks it
+to kept bytes <= the cap for T, each block limited to the choices whose transient is <= T. The best over all T
+is optimal: the optimal plan's largest transient is one of the candidates. `brute_force` checks it
 (tests/unit/test_memory_budget.py), and the same check catches a greedy rule.
 """
 

@@ -246,8 +246,9 @@ def block_runs(choices: tuple[str, ...]) -> str:
 
 def _budget_plan(shape: ModelShape, state: StateBytes, work: RankWork, limit: float, seq_len: int,
                  microbatches: int, flops: float, bandwidth: float) -> tuple[MemoryEstimate, BlockPlan]:
-    """The fastest per-block plan of keep/op/full/offload/full_offload whose estimated peak is within `limit` (the memory
-    budget planner's own formulas and search, planning/memory_budget.py); MemoryError when none is."""
+    """The fastest per-block plan of keep/op/full/offload/full_offload whose estimated peak is within `limit`
+    (the memory budget planner's own formulas and search, planning/memory_budget.py); MemoryError when none
+    is."""
     room = activation_room(shape, state, work, int(limit))
     best: BlockPlan | None = None
     for prefetch in (True, False):
