@@ -140,8 +140,7 @@ class Training:
     cpu_huge_pages: bool = True
     """CPU runs: torch's tensors of 2 MiB or more go on transparent huge pages (THP_MEM_ALLOC_ENABLE, set by
     the entry point before torch's first tensor; tools/cpu_malloc.py), so the large blocks a step allocates
-    afresh fault in 2 MiB at a time instead of 4 KiB; freed blocks still go back to the OS (memory as glibc's
-    default: docs/performance.md). false: the process restarts once without them. No effect on GPU runs,
+    afresh fault in 2 MiB at a time instead of 4 KiB (with cpu_keep_freed_memory, only the first time). false: the process restarts once without them. No effect on GPU runs,
     without the kernel's transparent huge pages, or where THP_MEM_ALLOC_ENABLE is set in the environment."""
 
     cpu_keep_freed_memory: bool = True

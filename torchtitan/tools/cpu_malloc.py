@@ -8,9 +8,8 @@ one is page-faulted in again, 4 KiB at a time. Two remedies:
 - **Huge pages (the default, `training.cpu_huge_pages`).** torch's CPU allocator, when the environment has
   THP_MEM_ALLOC_ENABLE=1 at its first CPU tensor, page-aligns every block of 2 MiB or more and asks the
   kernel for transparent huge pages on it (madvise): a fresh block faults in 2 MiB at a time, 512x fewer
-  faults (a 64 MiB block: 143 ms -> 34 ms to allocate and fill, against 16 ms to fill kept memory). Freed
-  blocks still go back to the OS, so the process's memory stays what glibc's default gives (bounded:
-  scripts/benchmarks/bench_cpu_malloc.py). torch reads the variable once, and importing torch.distributed already
+  faults (a 64 MiB block: 143 ms -> 34 ms to allocate and fill, against 16 ms to fill kept memory). Alone, freed
+  blocks still go back to the OS; with the kept heap below, only a step's first faults (and a trim's) remain. torch reads the variable once, and importing torch.distributed already
   allocates a tensor, so the entry point (torchtitan/train.py) sets it before anything else
   (`choose_at_start`): on machines without CUDA, where the kernel offers transparent huge pages, unless the
   environment already says otherwise. `--training.cpu_huge_pages false` restarts the process once without it
