@@ -69,6 +69,7 @@ _RULES = {
     "checkpoint.hf_interval": ((lambda v: v >= 0), "0 (only as last_save says) or more"),  # < 0 was taken as 0
     "checkpoint.hf_max_shard_mb": _at_least(1),
     "metrics.log_freq": _at_least(1),
+    "training.cpu_kept_heap_growth": _positive_number(),
     "profiling.profile_freq": _at_least(1),
     "activation_checkpoint.memory_budget": _fraction(),
     "comm.init_timeout_seconds": _at_least(1),

@@ -59,11 +59,12 @@ class Trainer:
         hang_watch.enable_flight_recorder(cfg.comm.trace_buf_size, cfg.job.dump_folder)  # NCCL only; before init
         self.device, self.rank, self.world_size = dist_utils.init_distributed(cfg.comm)
         init_logger(self.rank)
+        self.kept_heap = None  # CPU: the bound on glibc's kept heap, checked after every step
         if self.device.type == "cpu":
-            if cfg.training.cpu_keep_freed_memory:
-                cpu_malloc.keep_freed_memory()
-            elif cfg.memory.cpu_return_freed:  # a memory budget bounds resident memory: nothing freed stays
+            if cfg.memory.cpu_return_freed:  # a memory budget bounds resident memory: nothing freed stays
                 cpu_malloc.return_freed_memory()
+            elif cfg.training.cpu_keep_freed_memory:
+                self.kept_heap = cpu_malloc.keep_freed_memory_bounded(cfg.training.cpu_kept_heap_growth)
             logger.info(f"CPU allocator: {cpu_malloc.describe()}")
         fault_injection.install(self.rank)  # no-op unless TORCHTITAN_FAULTS is set (fault-tolerance tests)
         self.preempted = False
@@ -468,6 +469,9 @@ class Trainer:
                 if cfg.validation.enable and (step % cfg.validation.freq == 0 or last):
                     self.validate(step)
                 self.checkpointer.save(step, last=last)
+                if self.kept_heap is not None and self.kept_heap.after_step():
+                    logger.debug(f"CPU allocator: step {step} left the kept heap above its bound; returned "
+                                 f"{self.kept_heap.last_trim_freed / 2**20:,.0f} MiB (trim {self.kept_heap.trims})")
                 profiler.step(step)
                 if preemption is not None and not last and preemption.requested(self.device):
                     self.checkpointer.save(step, force=True)
@@ -499,6 +503,9 @@ class Trainer:
             self.replicas.close()
         self.checkpointer.close()
         self.metrics.close()
+        if self.kept_heap is not None:  # a process that goes on (tests, notebooks) does not keep this run's heap
+            cpu_malloc.restore_initial()
+            self.kept_heap = None
         if dist.is_initialized():
             dist.destroy_process_group()
         if self.cfg.compile.enable:

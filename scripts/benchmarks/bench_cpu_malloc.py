@@ -1,14 +1,16 @@
 """Speed and memory of the CPU allocator settings (tools/cpu_malloc.py): a small Llama trained for many steps
 alternating two sequence lengths, each setting in its own process, RSS read after every step.
 
-    python scripts/benchmarks/bench_cpu_malloc.py [--steps 300] [--modes plain,keep,huge_pages] [--dim 128] [--vocab 16384]
+    python scripts/benchmarks/bench_cpu_malloc.py [--steps 300] [--modes plain,default,keep,huge_pages] [--dim 128] [--vocab 16384]
 
 Shapes: the llama3 `Transformer` (dim `--dim`, 2 layers, vocabulary `--vocab`), float32, batch 1, the step's
 sequence length alternating between `--seq-len` and half of it (so the [tokens x vocab] logits, 64 and 32 MiB
 by default, are above glibc's 32 MiB mmap ceiling as at real sizes), the framework's loss, AdamW (auto) and
-gradient clipping. Settings: `plain` = glibc as it starts; `keep` = large freed blocks kept without bound
-(`--training.cpu_keep_freed_memory`); `huge_pages` = the default (`--training.cpu_huge_pages`: torch's large
-CPU tensors on transparent huge pages).
+gradient clipping. Settings: `plain` = glibc as it starts; `default` = the trainer's (torch's large CPU tensors
+on transparent huge pages, `--training.cpu_huge_pages`, and glibc keeping freed blocks within the bound of
+`--training.cpu_keep_freed_memory` / `--training.cpu_kept_heap_growth`: `KeptHeap.after_step` after every
+step, as the trainer calls it); `keep` = freed blocks kept without bound; `huge_pages` = huge pages alone (the
+default before the bounded kept heap).
 With `--together` the settings' processes run at the same time, so that on a shared machine they share its
 load (their speeds are then comparable with each other only). Per setting: median step time per shape (the first 10 steps excluded), peak RSS (the process's high-water
 mark), and the highest RSS after a step over the first third of the steps and over the rest (flat: the second is not above the
@@ -31,7 +33,7 @@ def run_one(mode: str, a: argparse.Namespace) -> dict:
     """Train in this process with allocator setting `mode`; per-step seconds and RSS after each step."""
     import os
 
-    if mode == "huge_pages":  # before torch's first CPU tensor, as torchtitan/train.py does
+    if mode in ("huge_pages", "default"):  # before torch's first CPU tensor, as torchtitan/train.py does
         os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
     import torch
 
@@ -43,8 +45,11 @@ def run_one(mode: str, a: argparse.Namespace) -> dict:
     from torchtitan.tools import cpu_malloc
     from torchtitan.tools.memory import _current_rss_bytes, _peak_rss_bytes
 
+    bound = None
     if mode == "keep":
         cpu_malloc.keep_freed_memory()
+    elif mode == "default":
+        bound = cpu_malloc.keep_freed_memory_bounded(JobConfig().training.cpu_kept_heap_growth)
     torch.manual_seed(0)
     args = TransformerModelArgs(dim=a.dim, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=a.vocab,
                                 max_seq_len=a.seq_len)
@@ -66,15 +71,18 @@ def run_one(mode: str, a: argparse.Namespace) -> dict:
         clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad()
-        times.append(time.perf_counter() - t0)
+        if bound is not None:
+            bound.after_step()
+        times.append(time.perf_counter() - t0)  # a trim's cost counts in its step
         rss.append(_current_rss_bytes())
-    return {"times": times, "rss": rss, "peak": _peak_rss_bytes(), "allocator": cpu_malloc.describe()}
+    return {"times": times, "rss": rss, "peak": _peak_rss_bytes(), "allocator": cpu_malloc.describe(),
+            "trims": bound.trims if bound is not None else 0}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--modes", default="plain,keep,huge_pages")
+    p.add_argument("--modes", default="plain,default,keep,huge_pages")
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seq-len", type=int, default=2048)
@@ -85,6 +93,9 @@ def main() -> None:
     if a.one:
         print(json.dumps(run_one(a.one, a)))
         return
+    import os
+
+    load_start = os.getloadavg()[0]
     results, running = {}, {}
     for mode in a.modes.split(","):
         cmd = [sys.executable, __file__, "--one", mode, "--steps", str(a.steps), "--dim", str(a.dim),
@@ -102,10 +113,11 @@ def main() -> None:
     from torchtitan.tools.precision import cpu_model_name
 
     print(f"llama3 dim {a.dim}, 2 layers, vocab {a.vocab}, float32, batch 1 x seq {a.seq_len} / {a.seq_len // 2} "
-          f"alternating, {a.steps} steps; {torch.get_num_threads()} threads, {cpu_model_name()}, torch {torch.__version__}")
+          f"alternating, {a.steps} steps; {torch.get_num_threads()} threads, {cpu_model_name()}, torch {torch.__version__}; "
+          f"load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     print("| setting | step s long (median) | step s short (median) | peak RSS MiB | max RSS first third MiB | "
-          "max RSS last two thirds MiB | peak / plain | tokens/s / plain |")
-    print("|---|---|---|---|---|---|---|---|")
+          "max RSS last two thirds MiB | trims | peak / plain | tokens/s / plain |")
+    print("|---|---|---|---|---|---|---|---|---|")
     base = results.get("plain")
     for mode, r in results.items():
         long_s = statistics.median(r["times"][10::2])
@@ -116,7 +128,7 @@ def main() -> None:
         peak_ratio = r["peak"] / base["peak"] if base else float("nan")
         speed = sum(base["times"][10:]) / total if base else float("nan")
         print(f"| {mode} ({r['allocator']}) | {long_s:.3f} | {short_s:.3f} | {r['peak'] / 2**20:,.0f} | {first / 2**20:,.0f} | "
-              f"{rest / 2**20:,.0f} | {peak_ratio:.3f}x | {speed:.3f}x |")
+              f"{rest / 2**20:,.0f} | {r['trims']} | {peak_ratio:.3f}x | {speed:.3f}x |")
 
 
 if __name__ == "__main__":

@@ -19,13 +19,14 @@ multiplies bf16 natively; no autocast then), one model and optimizer shared by e
   this step's FLOPs and the measured peak: with its blocks compiled (regional compile; the warm-up step
   compiles) when it says on, else the eager defaults above. It runs after the eager variants (compiling the
   blocks changes the shared model); the line above the table quotes the rule's figures;
-- framework, tuned (`--tuned`, last): the compiled defaults with glibc keeping freed memory as well
-  (`--training.cpu_keep_freed_memory`, set mid-process by mallopt): the fastest opt-in variant.
+- framework, tuned (`--tuned`, last): the compiled defaults with glibc keeping freed memory without the
+  default's bound (no trim; with `--malloc huge_pages|plain`: kept from then on, set mid-process by mallopt).
 Variants alternate step by step after one warm-up step each; medians. The CPU allocator is the process's, so
-every variant runs with the one `--malloc` names: `huge_pages` (the trainer's default,
-`--training.cpu_huge_pages`: torch's large tensors on transparent huge pages), `plain` (glibc as it starts) or
-`keep` (glibc keeps freed memory, `--training.cpu_keep_freed_memory`); compare them by separate runs with
-`--only defaults`. MFU = model FLOPs (the llama3
+every variant runs with the one `--malloc` names: `default` (the trainer's: torch's large tensors on
+transparent huge pages, `--training.cpu_huge_pages`, and glibc keeping freed blocks within the bound of
+`--training.cpu_keep_freed_memory`, `KeptHeap.after_step` after every step as the trainer calls it, settled
+afresh for each phase as a new run would), `huge_pages` (huge pages alone), `plain` (glibc as it starts) or
+`keep` (kept without bound); compare them by separate runs with `--only defaults`. MFU = model FLOPs (the llama3
 args' `flops_per_token`: 6 x non-embedding params + attention) / step time / the measured peak (the best
 large bf16 GEMM, torchtitan.tools.device_peak). Memory: peak RSS of the process (CPU). The breakdown: one
 profiled step per variant, self CPU time by op kind.
@@ -95,15 +96,16 @@ def main() -> None:
     p.add_argument("--skip-before", action="store_true", help="leave out the `before` variant (shorter run)")
     p.add_argument("--no-breakdown", action="store_true", help="skip the profiled step per variant (shorter run)")
     p.add_argument("--tuned", action="store_true",
-                   help="last, the compiled defaults with glibc keeping freed memory (the fastest opt-in variant)")
+                   help="last, the compiled defaults with freed memory kept without the default bound")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--only", choices=["before", "defaults"], help="run this framework variant alone")
-    p.add_argument("--malloc", default="huge_pages", choices=["huge_pages", "plain", "keep"],
+    p.add_argument("--malloc", default="default", choices=["default", "huge_pages", "plain", "keep"],
                    help="the CPU allocator setting of the process (default: the trainer's; tools/cpu_malloc.py)")
     a = p.parse_args()
     import os
 
-    if a.malloc == "huge_pages":  # before torch's first CPU tensor, as torchtitan/train.py does
+    load_start = os.getloadavg()[0]
+    if a.malloc in ("default", "huge_pages"):  # before torch's first CPU tensor, as torchtitan/train.py does
         os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
     import torch
     import torch.nn.functional as F
@@ -120,8 +122,19 @@ def main() -> None:
     from torchtitan.tools.precision import cpu_model_name
 
     dtype = getattr(torch, a.dtype)
+    growth = JobConfig().training.cpu_kept_heap_growth
+    heap = {"bound": None, "trims": 0}  # the trainer's kept-heap bound, checked after every step
+
+    def settle() -> None:  # a new phase starts as a new run: the bound measures its working set afresh
+        if heap["bound"] is not None:
+            heap["trims"] += heap["bound"].trims
+        heap["bound"] = cpu_malloc.KeptHeap(growth) if a.malloc == "default" else None
+
     if a.malloc == "keep":
-        cpu_malloc.keep_freed_memory()  # as --training.cpu_keep_freed_memory, for every variant
+        cpu_malloc.keep_freed_memory()  # kept without bound, for every variant
+    elif a.malloc == "default":
+        cpu_malloc.keep_freed_memory_bounded(growth)
+        settle()
 
     args = TransformerModelArgs(dim=a.dim, n_layers=a.layers, n_heads=a.dim // 128, n_kv_heads=max(1, a.dim // 256),
                                 vocab_size=a.vocab,
@@ -196,12 +209,19 @@ def main() -> None:
         keep = "framework, before " if a.only == "before" else "framework, eager defaults "
         variants = {n: v for n, v in variants.items() if n.startswith(keep)}
     times = {name: [] for name in variants}
+
+    def timed(name: str, step) -> None:
+        t0 = time.perf_counter()
+        step()
+        if heap["bound"] is not None:
+            heap["bound"].after_step()  # a trim's cost counts in its step
+        times[name].append(time.perf_counter() - t0)
+
     for rep in range(a.steps + 1):
         for name, step in variants.items():
-            t0 = time.perf_counter()
-            step()
-            if rep:
-                times[name].append(time.perf_counter() - t0)
+            timed(name, step)
+            if not rep:
+                times[name].clear()  # the warm-up step
     def profiled(step, name: str) -> dict[str, float]:
         return dict.fromkeys(KINDS, 0.0) if a.no_breakdown else breakdown(step, name)
 
@@ -210,10 +230,9 @@ def main() -> None:
     def run_last(name: str, step) -> None:  # after the eager variants: it changes the shared model or heap
         variants[name], times[name] = step, []
         for rep in range(a.steps + 1):  # the warm-up step compiles
-            t0 = time.perf_counter()
-            step()
-            if rep:
-                times[name].append(time.perf_counter() - t0)
+            timed(name, step)
+            if not rep:
+                times[name].clear()
         kinds[name] = profiled(step, name)
 
     defaults_step = variants[list(variants)[-1]]
@@ -222,10 +241,14 @@ def main() -> None:
 
         configure_compile_cache()
         apply_compile(model)
+        settle()
         run_last("framework, defaults (compile.auto: on, each block compiled)", defaults_step)
         if a.tuned:
+            settle()
+            heap["bound"] = None  # kept without bound from here on
             cpu_malloc.keep_freed_memory()
-            run_last("framework, tuned (defaults + glibc keeps freed memory)", defaults_step)
+            run_last("framework, tuned (defaults, freed memory kept without bound)", defaults_step)
+    settle()
     rss = _peak_rss_bytes()
 
     print(f"Llama slice: dim {a.dim}, {args.n_heads} heads, {args.n_kv_heads} kv heads, FFN {ffn}, vocab {args.vocab_size}, "
@@ -233,7 +256,8 @@ def main() -> None:
           f"{cpu_model_name()}, torch {torch.__version__}")
     print(f"compile.auto for a {cfg.training.steps}-step run of this shape: {auto.reason}")
     print(f"model FLOPs per step {flops_per_step / 1e12:.2f} TFLOP; measured peak (best large {a.dtype} GEMM) "
-          f"{peak / 1e9:,.0f} GFLOP/s; process peak RSS {rss / 2**30:.1f} GiB; CPU allocator: {cpu_malloc.describe()}")
+          f"{peak / 1e9:,.0f} GFLOP/s; process peak RSS {rss / 2**30:.1f} GiB; CPU allocator: {cpu_malloc.describe()}; "
+          f"kept-heap trims {heap['trims']}; load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     print("| variant | step s (median, min-max) | tokens/s | MFU | " + " | ".join(f"{k} %" for k in KINDS) + " |")
     print("|---|---|---|---|" + "---|" * len(KINDS))
     for name in variants:

@@ -1,5 +1,6 @@
 """tools/cpu_malloc.py: with glibc, a large block freed and allocated again is served from memory the process
-kept, not page-faulted in afresh; the trainer applies it on CPU when told to. The entry point puts torch's
+kept, not page-faulted in afresh, within a bound (a step that grows the kept heap past it trims it); the trainer
+applies it on CPU by default and one option turns it off. The entry point puts torch's
 large CPU tensors on transparent huge pages by default, says so in the log, and one option turns it off."""
 
 import subprocess
@@ -40,21 +41,89 @@ def test_freed_large_blocks_are_reused_instead_of_faulted_in_again():
     assert int(kept) < pages // 20, out.stdout  # kept: the same pages, no new faults
 
 
-def test_trainer_applies_it_on_cpu_only_when_enabled(monkeypatch):
+def test_trainer_keeps_the_heap_bounded_by_default_and_one_option_turns_it_off(monkeypatch):
+    """CPU runs keep freed memory within the bound by default (the bound checked once a step, after the step's
+    save); `--training.cpu_keep_freed_memory false` turns it off; a memory budget's `--memory.cpu_return_freed`
+    wins over it; close() hands the process's allocator back as glibc starts."""
     from torchtitan.tools import cpu_malloc
     import torchtitan.trainer as trainer_module
 
-    calls = []
-    monkeypatch.setattr(cpu_malloc, "keep_freed_memory", lambda: calls.append(1) or True)
+    class CountingBound:
+        def __init__(self, growth):
+            self.growth, self.steps, self.trims, self.last_trim_freed = growth, 0, 0, 0
+
+        def after_step(self):
+            self.steps += 1
+            return False
+
+    made, restored, returned = [], [], []
+    monkeypatch.setattr(cpu_malloc, "keep_freed_memory_bounded", lambda g: made.append(CountingBound(g)) or made[-1])
+    monkeypatch.setattr(cpu_malloc, "restore_initial", lambda: restored.append(1))
+    monkeypatch.setattr(cpu_malloc, "return_freed_memory", lambda: returned.append(1) or True)
     from tests.unit.checkpoint_helpers import TINY
     from torchtitan.protocols.train_spec import config_manager
 
-    for flag, expected in (("true", 1), ("false", 0)):
-        calls.clear()
-        cfg = config_manager().parse_args([*TINY, "--training.steps", "1", "--training.cpu_keep_freed_memory", flag])
+    cases = {(): (1, 0), ("--training.cpu_keep_freed_memory", "false"): (0, 0),
+             ("--memory.cpu_return_freed", "true"): (0, 1)}
+    for extra, (kept, unmapped) in cases.items():
+        made.clear(), restored.clear(), returned.clear()
+        cfg = config_manager().parse_args([*TINY, "--training.steps", "3", "--training.cpu_kept_heap_growth", "0.25",
+                                           *extra])
         trainer = trainer_module.Trainer(cfg)
+        if extra == ():
+            trainer.train()
+            assert made[0].growth == 0.25 and made[0].steps == 3, vars(made[0])  # once a step
         trainer.close()
-        assert len(calls) == expected, flag
+        assert (len(made), len(returned), len(restored)) == (kept, unmapped, kept), extra
+
+
+def test_kept_heap_trims_only_when_a_step_grows_past_the_settled_working_set():
+    """The bound's rule alone (resident bytes injected): the first steps set the working set (their highest),
+    a later step more than `growth` above it trims, one at or under it does not."""
+    from torchtitan.tools.cpu_malloc import KeptHeap
+
+    rss = iter([100, 120,  # settling: working set 120, limit 132
+                130, 132, 140, 90,  # 140 > 132 trims (then 90 read back); 130 and 132 do not
+                131, 200, 100, 50])  # 200 trims again; the limit stays the settled one
+    trims = []
+    heap = KeptHeap(0.10, settle_steps=2, read_rss=lambda: next(rss), trim=lambda: trims.append(1))
+    did = [heap.after_step() for _ in range(7)]
+    assert did == [False, False, False, False, True, False, True], did
+    assert heap.working_set == 120 and heap.trims == 2 == len(trims) and heap.last_trim_freed == 100
+
+
+# Resident MiB above the start after a heap is kept at 64 MiB, then grown by 192 MiB of blocks that are freed:
+# with the bound (growth 0.5 of the settled heap) the step that grew it trims, unbounded it stays.
+_BOUND_PROBE = """
+import sys
+sys.path.insert(0, {root!r})
+from torchtitan.tools import cpu_malloc
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+base = rss()
+if {bounded}:
+    heap = cpu_malloc.keep_freed_memory_bounded(0.5, settle_steps=1)
+else:
+    assert cpu_malloc.keep_freed_memory()
+    heap = cpu_malloc.KeptHeap(0.5, settle_steps=1, trim=lambda: None)  # the rule without its trim
+block = bytearray(64 * 2**20); del block
+heap.after_step()  # settles on the kept 64 MiB
+blocks = [bytearray(64 * 2**20) for _ in range(4)]; del blocks
+print(heap.after_step(), (rss() - base) / 2**20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_bounded_heap_returns_what_grew_and_unbounded_keeps_it():
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    runs = [subprocess.run([sys.executable, "-c", _BOUND_PROBE.format(root=root, bounded=b)], text=True,
+                           capture_output=True, check=True).stdout.split() for b in (True, False)]
+    (trimmed, bounded), (_, unbounded) = runs
+    assert trimmed == "True" and float(bounded) < 32, runs  # the kept 256 MiB returned
+    assert float(unbounded) > 200, runs  # the negative control: without the trim the heap keeps it
 
 
 def test_entry_point_uses_huge_pages_by_default_and_the_option_turns_them_off(tmp_path):

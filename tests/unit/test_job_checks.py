@@ -59,6 +59,7 @@ CASES = [
     (["--activation_checkpoint.memory_budget", "1.5"], "--activation_checkpoint.memory_budget must be in [0, 1]"),
     (["--comm.train_timeout_seconds", "0"], "--comm.train_timeout_seconds must be at least 1, got 0"),
     (["--comm.hang_timeout_seconds", "-1"], "--comm.hang_timeout_seconds must be a number >= 0, got -1"),
+    (["--training.cpu_kept_heap_growth", "0"], "--training.cpu_kept_heap_growth must be"),
     (["--guard.window", "3"], "--guard.window 3 is too small to judge a spike: the spread (MAD) of fewer than 4 steps"),
     (["--guard.threshold", "-3"], "--guard.threshold must be a positive number (robust standard deviations), got -3"),
     (["--guard.max_events", "-1"], "--guard.max_events must be 0 (stop at the first event) or more, got -1"),

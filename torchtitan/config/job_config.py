@@ -140,15 +140,21 @@ class Training:
     cpu_huge_pages: bool = True
     """CPU runs: torch's tensors of 2 MiB or more go on transparent huge pages (THP_MEM_ALLOC_ENABLE, set by
     the entry point before torch's first tensor; tools/cpu_malloc.py), so the large blocks a step allocates
-    afresh fault in 2 MiB at a time instead of 4 KiB; freed blocks still go back to the OS (memory as glibc's
-    default: docs/performance.md). false: the process restarts once without them. No effect on GPU runs,
+    afresh fault in 2 MiB at a time instead of 4 KiB (with cpu_keep_freed_memory, only the first time). false: the process restarts once without them. No effect on GPU runs,
     without the kernel's transparent huge pages, or where THP_MEM_ALLOC_ENABLE is set in the environment."""
 
-    cpu_keep_freed_memory: bool = False
+    cpu_keep_freed_memory: bool = True
     """CPU runs: glibc's malloc keeps large freed blocks for the next step instead of unmapping each one and
-    page-faulting it in again (tools/cpu_malloc.py): 1.40x a step at a 1B-shaped slice, but the kept heap
-    fragments and never shrinks (+32% peak RSS there, and a benchmark alternating four variants grew past
-    24 GiB), so it is opt-in. No effect on GPU runs or without glibc."""
+    page-faulting it in again (tools/cpu_malloc.py), within a bound: when a step leaves the process's resident
+    memory more than cpu_kept_heap_growth above the first steps', the free pages go back to the OS
+    (malloc_trim). Faster steps at the same peak memory as glibc's default (figures: docs/performance.md).
+    false: glibc as it starts. --memory.cpu_return_freed (a memory budget) wins over it. No effect on GPU runs
+    or without glibc."""
+
+    cpu_kept_heap_growth: float = 0.10
+    """The bound on the kept heap (cpu_keep_freed_memory): the fraction by which resident memory after a step
+    may exceed the highest of the first two steps' before the free pages are returned. Smaller: tighter memory,
+    more steps that fault their blocks in again."""
 
     loss_chunk_size: int = -1
     """Cross entropy over chunks of this many sequence positions (components/loss.py): no float32
@@ -475,7 +481,7 @@ class Memory:
     """CPU runs: glibc unmaps every freed block of 128 KiB or more (a fixed mmap threshold instead of its
     dynamic one, which keeps freed blocks of up to 32 MiB in a heap that never shrinks), so the process's
     resident memory follows its live tensors (tools/cpu_malloc.py). The budget's planner sets it on CPU.
-    --training.cpu_keep_freed_memory wins over it."""
+    It wins over --training.cpu_keep_freed_memory."""
 
     offload_optimizer: bool = False
     """CPU: keep the optimizer state in files in --memory.offload_dir between steps and stream it through RAM

@@ -1,4 +1,4 @@
-"""How a CPU run's large tensors get their memory: on transparent huge pages by default, or kept by glibc.
+"""How a CPU run's large tensors get their memory: glibc keeps freed blocks, within a bound, on huge pages.
 
 A training step allocates and frees its large tensors every time (the [tokens x vocab] logits and their
 gradient, the loss's float32 chunks, activations, gradients). glibc's malloc serves every block above its
@@ -8,9 +8,8 @@ one is page-faulted in again, 4 KiB at a time. Two remedies:
 - **Huge pages (the default, `training.cpu_huge_pages`).** torch's CPU allocator, when the environment has
   THP_MEM_ALLOC_ENABLE=1 at its first CPU tensor, page-aligns every block of 2 MiB or more and asks the
   kernel for transparent huge pages on it (madvise): a fresh block faults in 2 MiB at a time, 512x fewer
-  faults (a 64 MiB block: 143 ms -> 34 ms to allocate and fill, against 16 ms to fill kept memory). Freed
-  blocks still go back to the OS, so the process's memory stays what glibc's default gives (bounded:
-  scripts/benchmarks/bench_cpu_malloc.py). torch reads the variable once, and importing torch.distributed already
+  faults (a 64 MiB block: 143 ms -> 34 ms to allocate and fill, against 16 ms to fill kept memory). Alone, freed
+  blocks still go back to the OS; with the kept heap below, only a step's first faults (and a trim's) remain. torch reads the variable once, and importing torch.distributed already
   allocates a tensor, so the entry point (torchtitan/train.py) sets it before anything else
   (`choose_at_start`): on machines without CUDA, where the kernel offers transparent huge pages, unless the
   environment already says otherwise. `--training.cpu_huge_pages false` restarts the process once without it
@@ -22,11 +21,15 @@ one is page-faulted in again, 4 KiB at a time. Two remedies:
   fixed; docs/memory_budget.md). Fixing the threshold at its initial 128 KiB (`return_freed_memory`) turns the
   dynamic rule off, so every block above it is unmapped when freed and resident memory follows what the budget
   planner counts (at the price of faulting each such block in afresh).
-- **Keeping freed memory (opt-in, `training.cpu_keep_freed_memory`).** With mmap off (M_MMAP_MAX 0) large
-  blocks come from the heap, and with the trim threshold at its maximum the freed heap is kept for the next
-  step: the fastest (no faults after the first step, as the CUDA caching allocator), but the kept heap
-  fragments and never shrinks (a benchmark alternating four differently shaped variants grew past the
-  machine's 24 GiB with it).
+- **Keeping freed memory, bounded (the default, `training.cpu_keep_freed_memory`).** With mmap off (M_MMAP_MAX
+  0) large blocks come from the heap, and with the trim threshold at its maximum the freed heap is kept for the
+  next step: no faults after the first step, as the CUDA caching allocator (1.2x a step at the 1B slice). Kept
+  without bound, the heap fragments as shapes vary (a benchmark alternating four differently shaped variants grew
+  past the machine's 24 GiB). `KeptHeap` bounds it: the trainer calls `after_step` once a step; the resident
+  memory after the first `settle_steps` steps is the working set, and when a later step leaves more than
+  `training.cpu_kept_heap_growth` above it, `malloc_trim(0)` hands every free page back to the OS (the next
+  step faults them in again, once). `--memory.cpu_return_freed` (a memory budget) wins over it. `close()`
+  puts glibc's thresholds back to their initial values, for a process that goes on after the trainer.
 
 Only the process's CPU allocations change; numerics do not. No-op where the C library is not glibc or the
 kernel has no transparent huge pages.
@@ -46,7 +49,10 @@ _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 _M_TRIM_THRESHOLD = -1  # <malloc.h>
 _M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
+_GLIBC_TRIM_THRESHOLD = 128 * 2**10  # glibc's initial M_TRIM_THRESHOLD
+_GLIBC_MMAP_MAX = 65536  # glibc's initial M_MMAP_MAX
 _applied = False
+_bound: "KeptHeap | None" = None
 _returning = False
 
 
@@ -100,7 +106,10 @@ def huge_pages_active() -> bool:
 
 def describe() -> str:
     """The CPU allocator setting in effect, for the log."""
-    kept = "; glibc keeps large freed blocks (--training.cpu_keep_freed_memory)" if _applied else ""
+    kept = ""
+    if _applied:
+        kept = ("; glibc keeps large freed blocks, " + _bound.describe() if _bound is not None else
+                "; glibc keeps large freed blocks without bound") + " (--training.cpu_keep_freed_memory)"
     if _returning:
         kept += "; glibc unmaps every freed block of 128 KiB or more (--memory.cpu_return_freed)"
     if huge_pages_active():
@@ -142,3 +151,93 @@ def keep_freed_memory() -> bool:
     # mallopt returns 1 on success; both settings or neither.
     _applied = mallopt(_M_MMAP_MAX, 0) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
     return _applied
+
+
+def _libc():
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
+def malloc_trim() -> bool:
+    """glibc's `malloc_trim(0)`: every whole free page of every arena (the heap's top and the free chunks inside
+    it) goes back to the OS. True if it released anything; False where the C library is not glibc."""
+    try:
+        return _libc().malloc_trim(0) == 1
+    except (OSError, AttributeError):
+        return False
+
+
+def restore_initial() -> None:
+    """Undo `keep_freed_memory` (glibc's initial M_MMAP_MAX and M_TRIM_THRESHOLD; its dynamic mmap threshold
+    stays off once set) and return the kept heap: a process that goes on after the trainer (tests, notebooks)
+    does not keep the run's heap."""
+    global _applied, _bound
+    _bound = None
+    if not _applied:
+        return
+    try:
+        libc = _libc()
+        libc.mallopt(_M_MMAP_MAX, _GLIBC_MMAP_MAX)
+        libc.mallopt(_M_TRIM_THRESHOLD, _GLIBC_TRIM_THRESHOLD)
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    _applied = False
+
+
+def _current_rss() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class KeptHeap:
+    """The bound on glibc's kept heap: `after_step()` once a training step (after its validation and save).
+    The highest resident memory after the first `settle_steps` steps is the working set (the heap then holds
+    a step's blocks); a later step that leaves more than `growth` (a fraction) above it has grown the heap by
+    fragmentation (another shape, a validation pass), and `malloc_trim(0)` returns every free page. Plain
+    state, no timing: `read_rss` and `trim` are injectable for tests."""
+
+    def __init__(self, growth: float, settle_steps: int = 2, read_rss=_current_rss, trim=malloc_trim):
+        self.growth, self.settle_steps = growth, settle_steps
+        self.read_rss, self.trim = read_rss, trim
+        self.steps, self.trims = 0, 0
+        self.working_set = 0
+        self.last_trim_freed = 0  # bytes of resident memory the last trim returned
+
+    @property
+    def limit(self) -> float:
+        """Resident bytes after a step above which the heap is trimmed (inf while settling)."""
+        return self.working_set * (1 + self.growth) if self.steps >= self.settle_steps else float("inf")
+
+    def after_step(self) -> bool:
+        """Count a step; trim the heap if it grew past the limit. True if it trimmed."""
+        rss = self.read_rss()
+        if rss is None:
+            return False
+        self.steps += 1
+        if self.steps <= self.settle_steps:
+            self.working_set = max(self.working_set, rss)
+            return False
+        if rss <= self.limit:
+            return False
+        self.trim()
+        self.trims += 1
+        after = self.read_rss()
+        self.last_trim_freed = rss - after if after is not None else 0
+        return True
+
+    def describe(self) -> str:
+        return (f"returned (malloc_trim) when a step leaves resident memory {100 * self.growth:.0f}% above the "
+                f"first {self.settle_steps} steps'")
+
+
+def keep_freed_memory_bounded(growth: float, settle_steps: int = 2) -> KeptHeap | None:
+    """`keep_freed_memory` with its bound: the `KeptHeap` the trainer calls after each step, or None where the
+    C library is not glibc."""
+    global _bound
+    if not keep_freed_memory():
+        return None
+    _bound = KeptHeap(growth, settle_steps)
+    return _bound
