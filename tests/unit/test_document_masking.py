@@ -72,7 +72,8 @@ def test_a_packed_document_with_restarted_positions_equals_it_alone():
 
 
 def test_blockwise_cpu_path_equals_dense_masked_attention(monkeypatch):
-    """Query blocks of 8 with key spans from each block's earliest document start: same as the full mask."""
+    """Query blocks of 8 with key spans from each block's earliest document start (the CPU flash blocks the
+    kernel takes in eager mode): same as the full mask."""
     monkeypatch.setattr(attention, "DOCUMENT_BLOCK", 8)
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 4, SEQ, 16, generator=g) for _ in range(3))
