@@ -30,6 +30,7 @@ block-causal) part of the score matrix only, 4 x S_visible x D per head forward 
 """
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -135,7 +136,8 @@ def main() -> None:
     a = p.parse_args()
     dtype = getattr(torch, a.dtype)
     print(f"{HEADS} heads, {KV_HEADS} kv heads, head dim {HEAD_DIM}, batch 1, {a.dtype}, forward + backward; "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}; load average at start "
+          f"{os.getloadavg()[0]:.2f}, {time.strftime('%H:%M UTC', time.gmtime())}")
     print("| case | seq | kernel | fwd+bwd s (median) | GFLOP/s | vs before | max abs diff out / dq vs before |")
     print("|---|---|---|---|---|---|---|")
     for seq in map(int, a.seqs.split(",")):
