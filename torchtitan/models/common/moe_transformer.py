@@ -127,7 +127,7 @@ class MoETransformer(nn.Module):
     ) -> ModelOutput | torch.Tensor | tuple[torch.Tensor, ...]:
         """The forward: `inputs` go to every block's attention after the positions; `mtp_embeddings`: the
         input tokens' embeddings a later pipeline stage receives for multi-token prediction."""
-        mtp = self.mtp is not None and self.training
+        mtp = self.mtp_depth > 0 and self.training  # not self.mtp: a stage before the last holds no MTP module
         if self.tok_embeddings is not None:
             h = mtp_embeddings = self.tok_embeddings(tokens)
         else:
