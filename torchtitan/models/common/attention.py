@@ -130,7 +130,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         k5, v5 = k.float().unsqueeze(2), v.float().unsqueeze(2)
         scale = dim**-0.5
         spans = _spans(seq, block, window, document_ids)
-        out = torch.empty_like(q5)
+        out = q5.new_empty(*q5.shape[:-1], v.shape[-1])  # values may be narrower than q/k heads (MLA)
         lse = torch.empty(q5.shape[:-1], dtype=torch.float32, device=q.device)
         for q0, q1, k0 in spans:
             mask = _span_mask(q0, q1, k0, window, document_ids, q.device)
@@ -138,7 +138,7 @@ class _BlockwiseAttention(torch.autograd.Function):
             out[..., q0:q1, :], lse[..., q0:q1] = o, l
         if sinks is not None:
             lse = fold_sinks_(out, lse, sinks)
-        out_q = out.reshape(batch, hq, seq, dim).to(q.dtype)
+        out_q = out.reshape(batch, hq, seq, v.shape[-1]).to(q.dtype)
         ctx.save_for_backward(q, k, v, out_q, lse, sinks, document_ids)
         ctx.spans, ctx.window = spans, window
         return out_q
@@ -148,10 +148,10 @@ class _BlockwiseAttention(torch.autograd.Function):
         q, k, v, out, lse, sinks, document_ids = ctx.saved_tensors
         batch, hq, seq, dim = q.shape
         hkv = k.shape[1]
-        shape5 = (batch, hkv, hq // hkv, seq, dim)
-        q5, do5 = q.float().reshape(shape5), dout.float().reshape(shape5)
+        shape5, shape5_v = (batch, hkv, hq // hkv, seq, dim), (batch, hkv, hq // hkv, seq, v.shape[-1])
+        q5, do5 = q.float().reshape(shape5), dout.float().reshape(shape5_v)
         k5, v5 = k.float().unsqueeze(2), v.float().unsqueeze(2)
-        delta = (do5 * out.float().reshape(shape5)).sum(dim=-1)
+        delta = (do5 * out.float().reshape(shape5_v)).sum(dim=-1)
         dq5, dk5, dv5 = torch.zeros_like(q5), torch.zeros_like(k5), torch.zeros_like(v5)
         scale = dim**-0.5
         for q0, q1, k0 in ctx.spans:
@@ -222,9 +222,11 @@ class ScaledDotProductAttention(nn.Module):
     ) -> torch.Tensor:
         masked = self.window is not None or sinks is not None or document_ids is not None
         if masked and q.device.type == "cpu" and not torch.compiler.is_compiling() and not _is_dtensor(q):
-            # Windows, sinks, documents and their mixes: their key spans through SDPA's CPU flash kernel, the
-            # fastest exact kernel measured for each (docs/performance.md: 1.15-2.9x at 2048 and 8192 tokens).
-            return cpu_flash_block_attention(q, k, v, document_ids, self.window, sinks, block=DOCUMENT_BLOCK)
+            if q.shape[-1] == v.shape[-1]:  # the flash kernel takes one head size for q, k and v
+                # Windows, sinks, documents and their mixes: their key spans through SDPA's CPU flash kernel,
+                # the fastest exact kernel measured for each (docs/performance.md: 1.14-3.0x at 2048 and 8192).
+                return cpu_flash_block_attention(q, k, v, document_ids, self.window, sinks, block=DOCUMENT_BLOCK)
+            return blockwise_attention(q, k, v, document_ids, self.window, sinks)  # e.g. MLA's narrower values
         if self.window is not None or sinks is not None:
             return blockwise_attention(q, k, v, document_ids, self.window, sinks)
         n_rep = q.shape[1] // k.shape[1]
