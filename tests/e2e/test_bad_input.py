@@ -3,8 +3,9 @@ traceback (neither a rank's nor torchrun's ChildFailedError report), with 1 and 
 
 Inputs the pre-flight check judges stop before torchrun starts (seconds); two of them go through the launcher
 here, the full list is judged in-process in tests/unit/test_job_checks.py. The inputs only a rank can judge (a
-checkpoint step that does not exist, a data file that does not parse, a learning rate that diverges) go through
-torchrun and the launcher (torchtitan/launch.py), which prints the rank's line once. A real crash keeps torchrun's report."""
+checkpoint step that does not exist, a data file that does not parse, a learning rate that diverges) pass the
+pre-flight check and get their line from the trainer, in-process; one of them also goes through torchrun and the
+launcher (torchtitan/launch.py), which prints the rank's line once. A real crash keeps torchrun's report."""
 
 import os
 import subprocess
@@ -80,22 +81,41 @@ def test_inputs_judged_before_ranks_start(bad, tmp_path, args, ngpu, message):
     assert "Starting job" not in p.stdout  # stopped by the pre-flight check, no rank started
 
 
-RANK_CASES = [  # (args, processes, message): only a rank can tell. Two processes: the launcher's path is the same
-    # for any count (one rank: test_a_real_crash_keeps_torchruns_report), and each torchrun start costs seconds.
-    (["--checkpoint.enable", "--checkpoint.load_step", "7"], 2, "--checkpoint.load_step 7: "),
-    (["--training.dataset", "local", "--training.dataset_path", "{bad}/broken.jsonl"], 2,
-     "{bad}/broken.jsonl:2: not valid JSON"),
-    (["--optimizer.lr", "1e12", "--lr_scheduler.warmup_steps", "0"], 2, "loss or gradients became non-finite at step"),
-]
+RANK_CASES = {  # id: (args, message): inputs only a rank can tell.
+    "load_step": (["--checkpoint.enable", "--checkpoint.load_step", "7"], "--checkpoint.load_step 7: "),
+    "broken_jsonl": (["--training.dataset", "local", "--training.dataset_path", "{bad}/broken.jsonl"],
+                     "{bad}/broken.jsonl:2: not valid JSON"),
+    "diverging_lr": (["--optimizer.lr", "1e12", "--lr_scheduler.warmup_steps", "0"],
+                     "loss or gradients became non-finite at step"),
+}
 
 
-@pytest.mark.parametrize("args, ngpu, message", RANK_CASES, ids=["load_step-2", "broken_jsonl-2",
-                                                                 "diverging_lr-2"])
-def test_a_ranks_user_error_is_one_line_without_torchruns_report(bad, tmp_path, args, ngpu, message):
-    args = [a.format(bad=bad) for a in args]
-    p = run(["--job.dump_folder", str(tmp_path / "run"), *TINY, *args], ngpu=ngpu, timeout=300)
+@pytest.mark.parametrize("case", list(RANK_CASES))
+def test_a_ranks_user_error_passes_preflight_and_is_one_line(bad, tmp_path, capsys, case):
+    """In-process (a launch costs tens of seconds under CI's load and proves nothing more per input): the pre-flight
+    check of a 2-process job passes the input, so only a rank can tell, and the trainer refuses it in one line,
+    exit 1, no traceback. The launcher's path for such a line is the same for every input: the next test."""
+    from torchtitan import preflight
+    from torchtitan.train import main
+
+    args, message = RANK_CASES[case]
+    argv = ["--job.dump_folder", str(tmp_path / "run"), *TINY, *[a.format(bad=bad) for a in args]]
+    assert preflight.main(["--world-size", "2", *argv]) == 0, capsys.readouterr().err[-2000:]
+    capsys.readouterr()
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message.format(bad=bad) in errors[0], err[-2000:]
+    assert "Traceback" not in err
+
+
+def test_a_ranks_user_error_is_one_line_without_torchruns_report(tmp_path):
+    """Through the launcher with two processes: every rank raises the error of the input (a diverging learning
+    rate, judged at the first step), the launcher prints the rank's line once and hides torchrun's report."""
+    args, message = RANK_CASES["diverging_lr"]
+    p = run(["--job.dump_folder", str(tmp_path / "run"), *TINY, *args], ngpu=2, timeout=300)
     assert "Starting job" in p.stdout  # a rank judged it, not the pre-flight check
-    assert_one_clean_line(p, message.format(bad=bad))
+    assert_one_clean_line(p, message)
 
 
 def test_a_real_crash_keeps_torchruns_report():

@@ -1,6 +1,6 @@
 """Windows, sinks and documents through SDPA's CPU flash kernel (models/common/cpu_flash_blocks.py) equal the
 exact plain-torch span loop (blockwise_attention, fp32 inside), outputs and every gradient, and the shared
-kernel picks the flash path on CPU in eager mode."""
+kernel picks the flash path on CPU in eager mode for each of them (plain causal attention keeps one SDPA call)."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from torchtitan.models.common import attention
 
 
 @pytest.mark.parametrize("window, sinks, docs", [(None, True, False), (40, False, False), (40, True, True),
-                                                  (None, False, True)])
+                                                  (None, False, True), (40, False, True)])
 def test_equals_the_plain_torch_span_loop_in_float32(window, sinks, docs):
     g = torch.Generator().manual_seed(0)
     batch, hq, hkv, seq, dim = 2, 4, 2, 150, 16  # 3 query blocks of 64, the last one partial
@@ -32,10 +32,14 @@ def test_equals_the_plain_torch_span_loop_in_float32(window, sinks, docs):
 def test_the_shared_kernel_picks_it_on_cpu_eager(monkeypatch):
     calls = []
     real = attention.cpu_flash_block_attention
-    monkeypatch.setattr(attention, "cpu_flash_block_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(attention, "cpu_flash_block_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v = torch.randn(1, 2, 64, 16), torch.randn(1, 1, 64, 16), torch.randn(1, 1, 64, 16)
     out = attention.ScaledDotProductAttention(window=8)(q, k, v)
     assert calls == [1]
     torch.testing.assert_close(out, attention.blockwise_attention(q, k, v, window=8), rtol=1e-5, atol=1e-5)
+    ids = torch.tensor([[0] * 20 + [1] * 44])
+    out = attention.ScaledDotProductAttention()(q, k, v, ids)  # documents alone
+    assert calls == [1, 1]
+    torch.testing.assert_close(out, attention.blockwise_attention(q, k, v, ids), rtol=1e-5, atol=1e-5)
     attention.ScaledDotProductAttention()(q, k, v)  # plain causal keeps SDPA
-    assert calls == [1]
+    assert calls == [1, 1]

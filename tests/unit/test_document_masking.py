@@ -72,7 +72,8 @@ def test_a_packed_document_with_restarted_positions_equals_it_alone():
 
 
 def test_blockwise_cpu_path_equals_dense_masked_attention(monkeypatch):
-    """Query blocks of 8 with key spans from each block's earliest document start: same as the full mask."""
+    """Query blocks of 8 with key spans from each block's earliest document start (the CPU flash blocks the
+    kernel takes in eager mode): same as the full mask."""
     monkeypatch.setattr(attention, "DOCUMENT_BLOCK", 8)
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 4, SEQ, 16, generator=g) for _ in range(3))
@@ -128,3 +129,25 @@ def test_compiled_cpu_model_is_exact_across_documents_and_matches_eager():
     assert torch.equal(before[~in_a], after[~in_a])  # difference exactly 0
     assert not torch.allclose(before[in_a], after[in_a])
     torch.testing.assert_close(before, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_values_narrower_than_queries_take_the_exact_loop_on_cpu():
+    """MLA's values are narrower than its query/key heads, which SDPA's CPU flash kernel refuses: documents then
+    run the plain-torch span loop, exact against the dense mask (outputs and gradients)."""
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 4, SEQ, 8, generator=g), torch.randn(2, 2, SEQ, 8, generator=g)
+    v, dout = torch.randn(2, 2, SEQ, 6, generator=g), torch.randn(2, 4, SEQ, 6, generator=g)
+    _, _, ids, _ = packed_batches()
+    pos = torch.arange(SEQ)
+    mask = attention.document_causal_mask(ids, ids, pos, pos).unsqueeze(1)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        return [out.detach(), *torch.autograd.grad(out, leaves, dout)]
+
+    got = run(lambda q, k, v: attention.ScaledDotProductAttention()(q, k, v, ids))
+    want = run(lambda q, k, v: F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                              attn_mask=mask))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)

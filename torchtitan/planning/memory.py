@@ -45,6 +45,9 @@ Tensor parallel with sequence parallel divides everything by tp except, without 
 norm outputs the attention and FFN projections keep (2 D). Context parallel divides tokens by cp; by
 all-to-all (ulysses / hierarchical) without AC a block keeps one more D: the attention kernel's output on
 head shards, beside the sequence-sharded copy the output projection keeps (measured: docs/context_parallel.md).
+CPU eager blocks with document masking read grouped kv heads in place (the CPU flash blocks): without AC they
+keep k and v at the kv width, 2 (Q - KV) less than the formula's repeated copies (RankWork.kv_heads_in_place;
+measured, tests/unit/test_memory_estimate.py).
 """
 
 import dataclasses
@@ -182,6 +185,11 @@ class RankWork:
     cp_all_to_all: bool = False
     """Context parallel by all-to-all (ulysses / hierarchical): without AC each block also keeps the
     head-sharded attention output beside the sequence-sharded copy its output projection keeps."""
+    kv_heads_in_place: bool = False
+    """The attention kernel reads grouped kv heads in place instead of repeating them to the query heads: CPU
+    eager blocks with document masking (the CPU flash blocks, models/common/attention.py), without context
+    parallel. Without AC a block then keeps k and v at their projected width (2 KV per token, not 2 x the query
+    width); with AC the formula is unchanged (op AC keeps the projections' outputs either way)."""
     block_activation_bytes: int | None = None
     """Bytes all blocks keep for backward, all microbatches in flight together, when a per-block plan decides
     them (planning/memory_budget.py: keep, op, full, offload or full_offload per block); None = `ac`'s formula for every
@@ -282,6 +290,11 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
     blocks = block_elems_per_token(shape, w.ac, w.tp) * w.blocks * w.act_bytes
     if w.cp_all_to_all and w.cp > 1 and w.ac == "none":
         blocks += (shape.q_dim or shape.dim) / w.tp * w.blocks * w.act_bytes
+    if w.kv_heads_in_place and not shape.hybrid and w.ac not in ("op", "full"):
+        # The formula counts k and v repeated to the query width; every non-checkpointed block keeps them as
+        # projected instead (selective every k-th block: k-1 of k blocks).
+        kept = 1.0 if w.ac == "none" else (int(w.ac) - 1) / int(w.ac)
+        blocks -= 2 * ((shape.q_dim or shape.dim) - shape.kv_dim) / w.tp * kept * w.blocks * w.act_bytes
     chunked = 0 < w.loss_chunk_tokens < tokens
     # The plain loss keeps the fp32 log-softmax (V per token) for backward; the chunked one keeps nothing.
     outside = (shape.dim * w.act_bytes / w.tp if w.holds_embedding else 0) + (
@@ -460,4 +473,5 @@ def rank_work(cfg, parallel_dims, grad_accum: int, *, blocks: int, holds_embeddi
         unsharded_grad_params=fsdp * fsdp_shard_params if fsdp > 1 and grads_live else 0,
         params_stay_gathered=pd.pp_enabled, pp_recv_buffers=recv, loss_chunk_tokens=chunk_tokens,
         cp_all_to_all=p.context_parallel_method != "ring",
+        kv_heads_in_place=t.document_masking and not on_gpu and pd.cp == 1 and not compiles(cfg, "model"),
     )

@@ -33,12 +33,16 @@ class _StorageRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # A view of an input is not a new storage: without this, a tensor made before the forward (the batch's
+        # document ids) would count in the first block that slices it.
+        inputs = {StorageWeakRef(t.untyped_storage()).cdata for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 ref = StorageWeakRef(t.untyped_storage())
                 known = self.seen.get(ref.cdata)
                 # An address can be reused once its storage died: a dead entry is replaced.
-                if ref.cdata not in self.existing and (known is None or known[0].expired()):
+                if ref.cdata not in self.existing and ref.cdata not in inputs and (known is None or known[0].expired()):
                     self.seen[ref.cdata] = (ref, t.untyped_storage().nbytes(), self.tag)
         return out
 

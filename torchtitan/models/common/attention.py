@@ -3,11 +3,13 @@
 With `document_ids` ([B, S], equal ids = same document, documents contiguous) attention is block-causal:
 a token sees the earlier tokens of its own document only. Kernels:
 - CUDA: FlexAttention with a block mask (fully masked tiles are skipped).
-- CPU, eager: an exact blockwise path. Queries go in blocks of DOCUMENT_BLOCK, and each block attends only
-  to keys from the start of its earliest document up to its own end, so memory is O(S x (block + document
-  length)) instead of O(S^2) when documents are short.
-- CPU, compiled: SDPA with the full [S, S] mask (FlexAttention has no CPU backward, and the blockwise
-  path's key spans depend on the data, which a full-graph compile cannot trace).
+- CPU, eager: an exact blockwise path through SDPA's CPU flash kernel (cpu_flash_block_attention). Queries
+  go in blocks of DOCUMENT_BLOCK, and each block attends only to keys from the start of its earliest document
+  up to its own end, so memory is O(S x (block + document length)) instead of O(S^2) when documents are short
+  (measured 1.15x / 2.18x faster fwd+bwd at 2048 / 8192 tokens than one SDPA call per block, bit-identical,
+  and it saves what the memory estimator's formula counts: docs/performance.md).
+- CPU, compiled (or DTensor inputs): SDPA with the full [S, S] mask (FlexAttention has no CPU backward, and
+  the blockwise path's key spans depend on the data, which a full-graph compile cannot trace).
 Masked scores are -inf, so a token of one document gets bit-identical outputs whatever another holds.
 
 Attention kinds are data the kernel reads, for any family:
@@ -16,7 +18,8 @@ Attention kinds are data the kernel reads, for any family:
 - `sinks` (a forward argument, [Hq], a parameter of the calling attention module so that TP shards it with
   its heads): a learned logit per head added to the softmax denominator with a zero value, so a query may
   attend "nowhere" (GPT-OSS). Merged through the log-sum-exp: out' = out * sigmoid(lse - sink).
-A kernel with either runs `blockwise_attention`, an exact flash-style loop in plain torch (fp32, any device):
+A kernel with either runs, on CPU in eager mode, the CPU flash blocks (as documents do), else
+`blockwise_attention`, an exact flash-style loop in plain torch (fp32, any device):
 query blocks of DOCUMENT_BLOCK read only the key span their window (and, eager, their documents) can reach,
 so no [S, S] mask or score matrix exists, only O(block x span) per step; backward recomputes each block's
 probabilities from the saved (out, lse), like context parallel's ring attention, whose block math it shares.
@@ -44,20 +47,6 @@ DOCUMENT_BLOCK = 256
 def document_causal_mask(q_ids: torch.Tensor, k_ids: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
     """[B, Sq, Sk] bool: key visible to query (same document, not later). ids [B, S*]; positions [S*]."""
     return (q_ids.unsqueeze(-1) == k_ids.unsqueeze(-2)) & (q_pos.unsqueeze(-1) >= k_pos.unsqueeze(-2))
-
-
-def _blockwise_document_attention(q, k, v, document_ids: torch.Tensor) -> torch.Tensor:
-    seq = q.shape[2]
-    starts = document_start_index(document_ids)
-    pos = torch.arange(seq, device=q.device)
-    out = []
-    for q0 in range(0, seq, DOCUMENT_BLOCK):
-        q1 = min(seq, q0 + DOCUMENT_BLOCK)
-        k0 = int(starts[:, q0].min())  # the block's earliest document start over the batch
-        mask = document_causal_mask(document_ids[:, q0:q1], document_ids[:, k0:q1], pos[q0:q1], pos[k0:q1])
-        out.append(F.scaled_dot_product_attention(q[:, :, q0:q1], k[:, :, k0:q1], v[:, :, k0:q1],
-                                                  attn_mask=mask.unsqueeze(1)))
-    return torch.cat(out, dim=2)
 
 
 _compiled_flex = None
@@ -141,7 +130,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         k5, v5 = k.float().unsqueeze(2), v.float().unsqueeze(2)
         scale = dim**-0.5
         spans = _spans(seq, block, window, document_ids)
-        out = torch.empty_like(q5)
+        out = q5.new_empty(*q5.shape[:-1], v.shape[-1])  # values may be narrower than q/k heads (MLA)
         lse = torch.empty(q5.shape[:-1], dtype=torch.float32, device=q.device)
         for q0, q1, k0 in spans:
             mask = _span_mask(q0, q1, k0, window, document_ids, q.device)
@@ -149,7 +138,7 @@ class _BlockwiseAttention(torch.autograd.Function):
             out[..., q0:q1, :], lse[..., q0:q1] = o, l
         if sinks is not None:
             lse = fold_sinks_(out, lse, sinks)
-        out_q = out.reshape(batch, hq, seq, dim).to(q.dtype)
+        out_q = out.reshape(batch, hq, seq, v.shape[-1]).to(q.dtype)
         ctx.save_for_backward(q, k, v, out_q, lse, sinks, document_ids)
         ctx.spans, ctx.window = spans, window
         return out_q
@@ -159,10 +148,10 @@ class _BlockwiseAttention(torch.autograd.Function):
         q, k, v, out, lse, sinks, document_ids = ctx.saved_tensors
         batch, hq, seq, dim = q.shape
         hkv = k.shape[1]
-        shape5 = (batch, hkv, hq // hkv, seq, dim)
-        q5, do5 = q.float().reshape(shape5), dout.float().reshape(shape5)
+        shape5, shape5_v = (batch, hkv, hq // hkv, seq, dim), (batch, hkv, hq // hkv, seq, v.shape[-1])
+        q5, do5 = q.float().reshape(shape5), dout.float().reshape(shape5_v)
         k5, v5 = k.float().unsqueeze(2), v.float().unsqueeze(2)
-        delta = (do5 * out.float().reshape(shape5)).sum(dim=-1)
+        delta = (do5 * out.float().reshape(shape5_v)).sum(dim=-1)
         dq5, dk5, dv5 = torch.zeros_like(q5), torch.zeros_like(k5), torch.zeros_like(v5)
         scale = dim**-0.5
         for q0, q1, k0 in ctx.spans:
@@ -231,11 +220,14 @@ class ScaledDotProductAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        masked = self.window is not None or sinks is not None or document_ids is not None
+        if masked and q.device.type == "cpu" and not torch.compiler.is_compiling() and not _is_dtensor(q):
+            if q.shape[-1] == v.shape[-1]:  # the flash kernel takes one head size for q, k and v
+                # Windows, sinks, documents and their mixes: their key spans through SDPA's CPU flash kernel,
+                # the fastest exact kernel measured for each (docs/performance.md: 1.14-3.0x at 2048 and 8192).
+                return cpu_flash_block_attention(q, k, v, document_ids, self.window, sinks, block=DOCUMENT_BLOCK)
+            return blockwise_attention(q, k, v, document_ids, self.window, sinks)  # e.g. MLA's narrower values
         if self.window is not None or sinks is not None:
-            if q.device.type == "cpu" and not torch.compiler.is_compiling() and not _is_dtensor(q):
-                # The same spans through SDPA's CPU flash kernel: 1.4-2.9x faster fwd+bwd at 2048 tokens in bf16
-                # (docs/performance.md, measured under load).
-                return cpu_flash_block_attention(q, k, v, document_ids, self.window, sinks)
             return blockwise_attention(q, k, v, document_ids, self.window, sinks)
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:
@@ -245,13 +237,11 @@ class ScaledDotProductAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         if q.is_cuda:
             return _flex_document_attention(q, k, v, document_ids)
-        if torch.compiler.is_compiling():
-            # The blockwise path picks key spans from the data, which a full-graph compile cannot trace, and
-            # FlexAttention has no CPU backward: a compiled CPU model uses the full [S, S] mask.
-            pos = torch.arange(q.shape[2], device=q.device)
-            mask = document_causal_mask(document_ids, document_ids, pos, pos).unsqueeze(1)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return _blockwise_document_attention(q, k, v, document_ids)
+        # Compiled (or DTensor) on CPU: the blockwise path picks key spans from the data, which a full-graph
+        # compile cannot trace, and FlexAttention has no CPU backward, so the full [S, S] mask.
+        pos = torch.arange(q.shape[2], device=q.device)
+        mask = document_causal_mask(document_ids, document_ids, pos, pos).unsqueeze(1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class AttentionSinks(nn.Module):

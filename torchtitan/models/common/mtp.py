@@ -18,7 +18,7 @@ each CE_k summed over depth k's targets and divided, like the main loss, by the 
 as the paper's L^k_MTP = -1/T sum_i log P^k_i.
 
 The module runs where the output head is: the last pipeline stage. A family passes the embeddings of its
-input tokens down the pipeline beside the hidden state (see deepseek_v3/model.py).
+input tokens down the pipeline beside the hidden state (see models/common/moe_transformer.py).
 """
 
 from collections.abc import Callable

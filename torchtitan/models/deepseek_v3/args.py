@@ -19,6 +19,9 @@ class DeepSeekV3ModelArgs(BaseModelArgs):
     """The first n_dense_layers blocks have a dense FFN; the rest are MoE."""
     n_heads: int = 16
     norm_eps: float = 1e-6
+    depth_init: bool = True
+    """Projections writing into the residual stream start at std 0.02/sqrt(2 (layer + 1)) (True, as DeepSeek's
+    reference initialises them) or 0.02/sqrt(2 n_layers) (False)."""
     moe: MoEArgs = field(default_factory=MoEArgs)
     # Multi-head latent attention.
     q_lora_rank: int = 0

@@ -6,15 +6,9 @@ carrying the position: the query's is per head, the key's is one vector shared b
 RoPE), taken straight from the hidden state. RoPE uses adjacent pairs (as DeepSeek's weights expect) and
 YaRN frequency scaling for long contexts.
 
-Built for being cut up like llama3 (see protocols/model.py): layers keyed by index, head/tail modules may
-be None on a pipeline stage. A whole model returns a ModelOutput (logits, the MoE balance loss, per-layer
-expert load); a pipeline stage returns plain tensors (stages pass activations only).
-
-Multi-token prediction (`mtp_depth` > 0, models/common/mtp.py) trains D more blocks after the output: in
-training a whole model adds their logits to its ModelOutput; under pipeline parallel the MTP module sits on
-the last stage (a tail module), every earlier stage passes the input tokens' embeddings on beside the hidden
-state (so the one shared embedding gets the MTP's gradient through the pipeline), and the last stage returns
-(logits, *mtp_logits). In eval mode (validation, generation) the model computes the main logits only.
+The decoder stack (embedding, blocks, norm, output, multi-token prediction when `mtp_depth` > 0) is the MoE
+stack the MoE families share (models/common/moe_transformer.py): this folder gives MLA, the YaRN RoPE table
+and the dense first blocks. Built for being cut up like llama3 (see protocols/model.py).
 """
 
 import math
@@ -25,12 +19,11 @@ from torch import nn
 
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.init import trunc_normal
-from torchtitan.models.common.mtp import MultiTokenPrediction
+from torchtitan.models.common.moe_transformer import MoETransformer
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs, yarn_mscale
 from torchtitan.models.common.rope import apply_rope_interleaved as apply_rope
 from torchtitan.models.common.rope import rope_table
-from torchtitan.components.moe import MoE, MoEOutput
-from torchtitan.components.moe.moe import SwiGLU, add_layer_stats
+from torchtitan.components.moe.moe import SwiGLU
 from torchtitan.protocols.model import ModelOutput
 
 
@@ -111,76 +104,24 @@ class MLA(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bs, slen, -1))
 
 
-class Block(nn.Module):
-    def __init__(self, layer_id: int, args: DeepSeekV3ModelArgs):
-        super().__init__()
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = MLA(args)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.moe_enabled = layer_id >= args.n_dense_layers
-        if self.moe_enabled:
-            self.moe = MoE(args.dim, args.moe)
-        else:
-            self.feed_forward = SwiGLU(args.dim, args.inter_dim)
-        self.out_init_std = 0.02 / math.sqrt(2 * (layer_id + 1))
-
-    def init_weights(self, buffer_device: torch.device | None) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.out_init_std)
-        if self.moe_enabled:
-            self.moe.init_weights(self.out_init_std, buffer_device)
-        else:
-            self.feed_forward.init_weights(self.out_init_std)
-
-    def forward(
-        self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None
-    ) -> tuple[torch.Tensor, MoEOutput | None]:
-        """(output, the MoE layer's output for its loss and load; None in a dense layer)."""
-        h = x + self.attention(self.attention_norm(x), rope_cache, positions)
-        if not self.moe_enabled:
-            return h + self.feed_forward(self.ffn_norm(h)), None
-        moe = self.moe(self.ffn_norm(h))
-        return h + moe.out, moe
-
-
-class DeepSeekV3Model(nn.Module):
-    pipeline_head = ("tok_embeddings",)
-    pipeline_tail = ("norm", "output")
+class DeepSeekV3Model(MoETransformer):
+    """MLA in every block; the first n_dense_layers blocks have a dense SwiGLU feed-forward, the others (and the
+    MTP blocks) DeepSeekMoE; the stack, its init order and forward are models/common/moe_transformer.py's."""
 
     def __init__(self, args: DeepSeekV3ModelArgs):
-        super().__init__()
-        self.model_args = args
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): Block(i, args) for i in range(args.n_layers)})
-        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("rope_cache", yarn_rope_cache(args), persistent=False)
-        # DeepSeek-V3's MTP blocks are numbered after the main layers (HF: model.layers.{n_layers + k - 1}).
-        self.mtp: MultiTokenPrediction | None = None
-        if args.mtp_depth:
-            blocks = [Block(args.n_layers + k, args) for k in range(args.mtp_depth)]
-            self.mtp = MultiTokenPrediction(args.dim, args.norm_eps, blocks)
-            self.pipeline_tail = (*self.pipeline_tail, "mtp")  # held by the last stage, with the output
-        self.mtp_depth, self.mtp_loss_weight = args.mtp_depth, args.mtp_loss_weight  # protocols.model.mtp_settings
-        # Set by context parallel: the true positions of this rank's load-balanced slice.
-        self.fixed_positions: torch.Tensor | None = None
+        super().__init__(
+            args, lambda layer_id: MLA(args),
+            feed_forward=lambda layer_id: SwiGLU(args.dim, args.inter_dim) if layer_id < args.n_dense_layers else None,
+            mtp_depth=args.mtp_depth, mtp_loss_weight=args.mtp_loss_weight,
+        )
+
+    def rope_table(self) -> torch.Tensor:
+        return yarn_rope_cache(self.model_args)
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Embedding ~ N(0, 1); input projections and the router ~ N(0, 0.02); projections writing into the
         residual stream ~ N(0, 0.02/sqrt(2(layer+1))); output ~ N(0, dim^-0.5); truncated at 3 std."""
-        with torch.device(buffer_device or self.rope_cache.device):
-            self.rope_cache = yarn_rope_cache(self.model_args)
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight)
-        for layer in self.layers.values():
-            layer.init_weights(buffer_device)
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None:
-            trunc_normal(self.output.weight, self.model_args.dim**-0.5)
-        if self.mtp is not None:  # last: the main weights draw the same numbers with or without MTP
-            self.mtp.init_weights(lambda block: block.init_weights(buffer_device))
+        super().init_weights(buffer_device)
 
     def forward(
         self,
@@ -192,33 +133,4 @@ class DeepSeekV3Model(nn.Module):
         multi-token prediction reads as `mtp_embeddings`). Returns a ModelOutput on a whole model; on a
         pipeline stage the hidden states (with the embeddings while training MTP), or on the last the
         logits (with the MTP logits while training it)."""
-        mtp = self.model_args.mtp_depth > 0 and self.training
-        if self.tok_embeddings is not None:
-            h = mtp_embeddings = self.tok_embeddings(tokens)
-        else:
-            h = tokens
-        if positions is None:
-            positions = self.fixed_positions
-        aux_loss, metrics = None, {}
-
-        def run_block(key: str, layer: Block, x: torch.Tensor) -> torch.Tensor:
-            nonlocal aux_loss
-            x, moe = layer(x, self.rope_cache, positions)
-            if moe is not None:
-                aux_loss = add_layer_stats(aux_loss, metrics, key, moe, layer.moe)
-            return x
-
-        for key, layer in self.layers.items():
-            h = run_block(key, layer, h)
-        if self.norm is not None:
-            h = self.norm(h)
-        if self.output is None:  # a stage before the last: activations only
-            return (h, mtp_embeddings) if mtp else h
-        logits = self.output(h)
-        mtp_logits = []
-        if mtp:  # depth k's block is layer n_layers + k - 1 in the metrics, as in HF checkpoints
-            n = self.model_args.n_layers
-            mtp_logits = self.mtp(h, mtp_embeddings, self.output, lambda k, b, x: run_block(str(n + k - 1), b, x))
-        if self.tok_embeddings is None:
-            return (logits, *mtp_logits) if mtp else logits  # the balance loss is refused under PP
-        return ModelOutput(logits=logits, aux_loss=aux_loss, metrics=metrics, mtp_logits=mtp_logits)
+        return self.run(tokens, positions, mtp_embeddings=mtp_embeddings)

@@ -2,7 +2,7 @@
 window and full attention (attention kinds of the shared kernel, models/common/attention.py), YaRN RoPE in
 the half layout, and the shared MoE layer with a biased router and clamped-SwiGLU experts with biases.
 
-The decoder around them is the one shared with Qwen3-MoE (models/common/moe_transformer.py).
+The decoder around them is the one shared with Qwen3-MoE and DeepSeek-V3 (models/common/moe_transformer.py).
 Follows protocols.model.ModelProtocol like Qwen3-MoE: a whole model returns a ModelOutput (logits, the balance
 loss, per-layer expert load); a pipeline stage returns plain tensors.
 """

@@ -1,5 +1,5 @@
 """Qwen3-MoE: Qwen3's attention (models/common/qk_norm_attention.py) and the shared MoE layer in every block, in
-the MoE decoder shared with GPT-OSS (models/common/moe_transformer.py).
+the MoE decoder shared with GPT-OSS and DeepSeek-V3 (models/common/moe_transformer.py).
 
 Follows protocols.model.ModelProtocol like Qwen3. A whole model returns a ModelOutput (logits, the balance
 loss, per-layer expert load); a pipeline stage returns plain tensors.
