@@ -53,22 +53,33 @@ def read(path: str) -> list[tuple[int, float, float]]:
     return [(s, *last[s]) for s in sorted(last)]
 
 
+def save(path: str, curves: dict[str, tuple[str, list[tuple[int, float, float]]]]) -> None:
+    """{name: {"command": ..., "curve": [[step, loss, grad_norm], ...]}}, a step a line (readable diffs)."""
+    parts = [f" {json.dumps(name)}: {{\"command\": {json.dumps(command)}, \"curve\": [\n"
+             + ",\n".join(f"  {json.dumps(list(row))}" for row in series) + "\n ]}"
+             for name, (command, series) in curves.items()]
+    with open(path, "w") as f:
+        f.write("{\n" + ",\n".join(parts) + "\n}\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", default=RECIPES)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--metrics", nargs="+", help="replay these metrics.jsonl files instead of training")
     parser.add_argument("--out", help="keep each run's folder here (default: a temporary folder)")
-    parser.add_argument("--save", help="write the curves here as JSON {name: [[step, loss, grad_norm], ...]}")
+    parser.add_argument("--save", help="write the curves here as JSON {name: {command, curve: [[step, loss, "
+                        "grad_norm], ...]}}, the form of tests/unit/guard_curves.json")
     parser.add_argument("--threshold", type=float, default=Guard.threshold)
     parser.add_argument("--max-window", type=int, default=Guard.window)
     parser.add_argument("extra", nargs="*", help="trainer arguments for every run")
     opts = parser.parse_args()
-    runs = {}
+    runs, commands = {}, {}
     if opts.metrics:
         runs = {path: read(path) for path in opts.metrics}
     else:
         for config in opts.configs:
+            commands[config] = " ".join(["--job.config_file", config, "--training.steps", str(opts.steps), *opts.extra])
             if opts.out:
                 folder = os.path.join(opts.out, os.path.splitext(os.path.basename(config))[0])
                 runs[config] = clean_run(config, opts.steps, folder, opts.extra)
@@ -76,8 +87,7 @@ def main() -> int:
             with tempfile.TemporaryDirectory() as folder:
                 runs[config] = clean_run(config, opts.steps, folder, opts.extra)
     if opts.save:
-        with open(opts.save, "w") as f:
-            json.dump({name: [list(row) for row in series] for name, series in runs.items()}, f)
+        save(opts.save, {name: (commands.get(name, f"the metrics.jsonl {name}"), series) for name, series in runs.items()})
     bad = 0
     for name, series in runs.items():
         print(f"{name}: {len(series)} steps, grad norm {series[0][2]:.3g} .. max {max(s[2] for s in series):.3g}, "

@@ -20,8 +20,8 @@ window from 4 to 20: docs/reliability.md):
 * The gradient norm against the window's median, by a fixed 100x: a healthy gradient norm has isolated
   one-step spikes of tens (the MoE debug recipe: 54.6 against about 1.3, 42x its window's median; clipping at
   --training.max_norm bounds the update they make and the loss does not move), and one such spike in the window
-  would lift a maximum baseline enough to hide the next fault (a 1e4x gradient right after it is only 193x the
-  top). 100x sits 2.4x above the largest healthy spike measured and 20x under the smallest injected 1e4x
+  lifts a maximum baseline for `window` steps (a 1e4x gradient right after it is only 193x the window's top; in
+  the unstable LoRA run, right after its 582 spike, 12x: missed). 100x sits 2.4x above the largest healthy spike measured and 20x under the smallest injected 1e4x
   gradient (a poisoned batch); a trend would have to grow the norm 100-fold within half a window. No spread
   term: the gradient norm's spread is its trends and its clipped spikes, and widening the margin by it hides
   faults (qwen3_debug's norm falls 28.8 -> 2.3 in its first 7 steps; a margin of 6 robust standard deviations
