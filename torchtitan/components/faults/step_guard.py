@@ -122,15 +122,13 @@ def decide(history: Mapping[str, Sequence[float]], values: Mapping[str, float], 
     return None
 
 
-def replay(series: Iterable[tuple[int, float, float]], cfg: GuardConfig,
-           scale: Mapping[int, float] | None = None) -> list[GuardEvent]:
-    """The events the guard finds over a logged run [(step, loss, grad_norm)], the gradient norm of step s times
-    `scale[s]` (an injected spike). While no event happened the history is exactly these values, so the first
-    event is the one the trainer would act on; after it, each event's values stay out of the history, as in the
-    trainer with --guard.action skip."""
+def replay(series: Iterable[tuple[int, float, float]], cfg: GuardConfig) -> list[GuardEvent]:
+    """The events the guard finds over a logged run [(step, loss, grad_norm)]. While no event happened the history
+    is exactly these values, so the first event is the one the trainer would act on; after it, each event's
+    values stay out of the history, as in the trainer with --guard.action skip."""
     history, events = {m: deque(maxlen=cfg.window) for m in METRICS}, []
     for step, loss, norm in series:
-        values = {"loss": loss, "grad_norm": norm * (scale or {}).get(step, 1.0)}
+        values = {"loss": loss, "grad_norm": norm}
         judged = decide(history, values, cfg.window, cfg.threshold)
         if judged is not None:
             events.append(GuardEvent(step, judged[0], values[judged[0]], judged[1], cfg.action))
