@@ -24,8 +24,9 @@ from tests.distributed.trainer_runs import read_metrics, train
 pytestmark = pytest.mark.distributed
 
 FSDP2 = ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]
-# A short window judges the early, fast-moving curve; a threshold of 20 leaves a wide margin under the poisoned
-# step (1e4x, or NaN) while the natural rises of the first steps stay far below it.
+# A short window judges the early, fast-moving curve; a threshold of 20 widens the loss's margin over the first
+# steps' fast-falling loss, while the poisoned step (1e4x the gradient, over 100x its window's median, or NaN)
+# is an event at any threshold.
 GUARD = ["--guard.enable", "--guard.window", "4", "--guard.threshold", "20"]
 STEPS = ["--training.steps", "8"]
 SEED = int(os.environ.get("TORCHTITAN_FAULT_SEED", "0"))

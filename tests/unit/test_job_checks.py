@@ -63,6 +63,7 @@ CASES = [
     (["--guard.window", "3"], "--guard.window 3 is too small to judge a spike: the spread (MAD) of fewer than 4 steps"),
     (["--guard.threshold", "-3"], "--guard.threshold must be a positive number (robust standard deviations), got -3"),
     (["--guard.max_events", "-1"], "--guard.max_events must be 0 (stop at the first event) or more, got -1"),
+    (["--guard.event_span", "-5"], "--guard.event_span must be 0 (count the events of the whole run) or more steps"),
     (["--guard.enable", "--guard.action", "rollback"], "--guard.action rollback reloads the last checkpoint: add "
                                                        "--checkpoint.enable"),
     # files

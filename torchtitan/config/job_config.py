@@ -592,14 +592,16 @@ class Guard:
     """Judge every step; off, a non-finite gradient norm stops the run (as before) and spikes go unnoticed."""
 
     window: int = 20
-    """Accepted steps the running maximum, median and MAD are taken over (at least 4); spikes are judged once it
-    is full (non-finite values always)."""
+    """Accepted steps the baseline and the spread are taken over (at least 4: pre-flight refuses fewer); spikes
+    are judged once it is full (non-finite values always)."""
 
     threshold: float = 6.0
-    """A value is a spike when above max + threshold x scale over the window, scale = max(1.4826 x MAD, floor x
-    |median|), floor 10% (loss) or 50% (gradient norm): it must clear the window's highest value, so a steady
-    rise (LR warmup) is no spike; 1.4826 x MAD estimates a standard deviation without being moved by the spikes
-    themselves."""
+    """Judged on the log scale against the window: a loss is a spike above max(window) x max(1.6, exp(threshold
+    x 1.4826 x MAD)) (MAD of the window's log losses: `threshold` robust standard deviations, where the window is
+    noisier than 1.6x), a gradient norm above 100x the window's median (no spread term: its spread is trends and
+    clipped spikes). A steady rise (LR warmup, a batch change) moves the baselines with it, and an isolated
+    gradient-norm spike that clipping absorbs (tens of times, MoE) is no event; docs/reliability.md has the
+    measurements."""
 
     action: Literal["skip", "rollback"] = "skip"
     """skip: no optimizer update for that step (the LR schedule and the data position advance as usual);
@@ -607,7 +609,12 @@ class Guard:
     (needs --checkpoint.enable)."""
 
     max_events: int = 3
-    """Events allowed in one run; the next one stops it with one line (0: the first event stops it)."""
+    """Events allowed within `event_span` steps; the next one stops the run with one line (0: the first event
+    stops it)."""
+
+    event_span: int = 100
+    """The sliding span of steps `max_events` counts over: an event at step s counts until step s + event_span
+    (by step number, so the events of a step trained again after a rollback all count); 0: the whole run."""
 
     replica_check_interval: int = 0
     """Silent-corruption check (components/faults/replica_check.py): every N steps the data-parallel replicas (HSDP's
