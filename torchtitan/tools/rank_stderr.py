@@ -1,0 +1,59 @@
+"""Each rank's stderr also in a file of its own, and a fatal signal's stacks in it (issue 31: a rank died of
+SIGABRT once in eight runs and left only torchrun's "Signal 6 received by PID ...").
+
+What a dying rank writes goes to its stderr: Python's faulthandler (every thread's Python stack on SIGABRT,
+SIGSEGV, SIGBUS, SIGFPE, SIGILL), libstdc++'s "terminate called after throwing an instance of 'c10::Error'
+what(): ..." (a C++ exception on a thread of gloo or c10), glibc's "free(): invalid pointer" (heap corruption).
+But under ./run_train.sh only the ranks in LOG_RANK (rank 0 by default) reach the console, and torchrun keeps
+the others' output in a temporary folder. So the entry point (torchtitan/train.py, a process of its own) calls
+`capture`, which:
+
+- routes file descriptor 2 through `tee` (a process in its own session, so Ctrl-C or a kill of the rank's group
+  leaves it to write the last lines) into `{dump_folder}/ranks/rank-N.stderr` and the original stderr: every
+  native write, Python's or C++'s or glibc's, lands in both, and tee outlives the rank that aborts;
+- turns faulthandler on over that stream, all threads;
+- sets LIBC_FATAL_STDERR_=1 (glibc writes its fatal messages to /dev/tty, not stderr, unless told) and
+  TORCH_SHOW_CPP_STACKTRACES=1 (a c10::Error's message carries its C++ frames), unless the environment says
+  otherwise.
+
+The training log itself goes to stdout (tools/logging.py), so the file holds warnings, tracebacks and what a
+dying process says. Before `capture` (argument parsing) faulthandler writes to stderr only. Where `tee` is
+missing the file gets faulthandler's output alone.
+"""
+
+import faulthandler
+import os
+import shutil
+import subprocess
+import sys
+
+_tee: subprocess.Popen | None = None  # kept: its stdin is this process's stderr
+
+
+def path_for(dump_folder: str, rank: int) -> str:
+    return os.path.join(dump_folder, "ranks", f"rank-{rank}.stderr")
+
+
+def enable_early() -> None:
+    """faulthandler on stderr, all threads: covers the time before the dump folder is known."""
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+
+
+def capture(dump_folder: str, rank: int) -> str:
+    """Sends this process's stderr to `path_for(dump_folder, rank)` as well, with faulthandler on it; returns
+    the file's path. Call once per process, from the process's entry point only (it takes over fd 2)."""
+    global _tee
+    os.environ.setdefault("LIBC_FATAL_STDERR_", "1")
+    os.environ.setdefault("TORCH_SHOW_CPP_STACKTRACES", "1")
+    path = path_for(dump_folder, rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tee = shutil.which("tee")
+    if tee is None:
+        faulthandler.enable(file=open(path, "a"), all_threads=True)  # noqa: SIM115 (held open by faulthandler)
+        return path
+    sys.stderr.flush()
+    _tee = subprocess.Popen([tee, "-a", path], stdin=subprocess.PIPE, stdout=sys.__stderr__.fileno(),
+                            start_new_session=True)
+    os.dup2(_tee.stdin.fileno(), 2)  # sys.stderr writes to fd 2, so Python's output follows too
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    return path
