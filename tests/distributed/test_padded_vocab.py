@@ -1,5 +1,6 @@
 """Published checkpoints pad their vocabulary past the tokenizer's (DeepSeek-V3: 128,815 tokens in 129,280
-rows). For every family, a random transformers model whose vocabulary is the shipped tokenizer's 2,048 + 37
+rows). For every family with a transformers class here (Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3, GPT-OSS; Qwen3.5
+not yet), a random transformers model whose vocabulary is the shipped tokenizer's 2,048 + 37
 (an amount no power of two divides, so FSDP's row shards are uneven too) is saved with save_pretrained; the
 trainer takes its shape (--model.hf_config) and weights (--checkpoint.initial_load_in_hf) from the folder
 under FSDP 2, trains 2 steps at LR 0 and writes an HF folder (--checkpoint.last_save hf_only, float32).
@@ -31,6 +32,7 @@ FAMILIES = {  # family -> (a case of test_hf_any_size whose shape to reuse, chan
     "qwen3": ("qwen3_hd24", {}),
     "qwen3_moe": ("qwen3_moe", {}),
     "deepseek_v3": ("deepseek_q_lora", {}),
+    "gpt_oss": ("gpt_oss", {}),  # sliding and full attention layers, sinks, YaRN
 }
 OPTIONS = [
     "--training.seq_len", "32", "--training.global_batch_size", "4", "--training.local_batch_size", "2",
@@ -83,7 +85,7 @@ def trained(tmp_path_factory):
     runs = []
     for family in FAMILIES:
         _make_folder(family, str(root / family / "hf_in"))
-        moe = ["--moe.load_balance_coeff", "0"] if "moe" in family or "deepseek" in family else []
+        moe = ["--moe.load_balance_coeff", "0"] if family in ("qwen3_moe", "deepseek_v3", "gpt_oss") else []
         runs.append((family, str(root / family / "hf_in"), str(root / family / "run"), moe))
     return root, run_ranks(_run, 2, runs)[0]
 
