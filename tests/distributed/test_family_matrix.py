@@ -8,11 +8,12 @@ One process (in-process trainers, one after another): each AC mode, Float8 (emul
 Muon, and LoRA composed with Float8 and full AC. Two ranks, in ONE spawned group that builds one trainer per combination: FSDP 2, TP 2, PP 2, CP 2
 and, for the MoE families, EP 2.
 
-Compile and AC under every layout (issue 31: the matrix tried compile only alone, and MoE compiled under EP
-died): every two-rank run is checkpointed (full / op-level AC rotated) and one in four is compiled (aot_eager,
-rotated so every family and every layout gets one); Llama 3 under CP 2 is compiled by inductor against the same
-layout eager (COMPILED_RTOL); test_compiled_under_ep_tp trains MoE compiled under EP 2 x TP 2 on 4 ranks (the
-experts FSDP-sharded apart from their block). docs/compile.md says what composes.
+Compile and AC under every layout (issue 31: the matrix tried compile only alone, and MoE compiled under EP died):
+every two-rank run is checkpointed (full / op-level AC rotated, compiled runs included: Qwen3 compiled with full AC
+under TP 2) and one in four is compiled (aot_eager, rotated so every family and every layout gets one); Llama 3
+under CP 2 is compiled by inductor against the same layout eager (COMPILED_RTOL); test_compiled_under_ep_tp trains
+MoE compiled under EP 2 x TP 2 on 4 ranks (the experts FSDP-sharded apart from their block). docs/compile.md says
+what composes.
 
 What is checked: the run ends with 2 finite losses; features that do not change the forward (AC, Muon) and the
 layouts log the same first-step loss as the family's plain one-process run (before any update: same init,
