@@ -33,6 +33,7 @@ FAMILIES = {  # family -> (a case of test_hf_any_size whose shape to reuse, chan
     "qwen3_moe": ("qwen3_moe", {}),
     "deepseek_v3": ("deepseek_q_lora", {}),
     "gpt_oss": ("gpt_oss", {}),  # sliding and full attention layers, sinks, YaRN
+    "qwen3_5": (None, {}),  # Gated DeltaNet and gated attention layers: tests/unit/test_qwen3_5_hf.py's dense shape
 }
 OPTIONS = [
     "--training.seq_len", "32", "--training.global_batch_size", "4", "--training.local_batch_size", "2",
@@ -44,10 +45,24 @@ OPTIONS = [
 ]
 
 
+def _qwen3_5_config():
+    import dataclasses
+
+    from tests.unit.test_qwen3_5_hf import DENSE
+    from torchtitan.models.qwen3_5.state_dict_adapter import Qwen3_5StateDictAdapter
+
+    hf = Qwen3_5StateDictAdapter.to_hf_config(dataclasses.replace(DENSE, vocab_size=VOCAB), torch.float32)
+    return transformers.Qwen3_5TextConfig(**{k: v for k, v in hf.items()
+                                             if k not in ("architectures", "model_type", "torch_dtype")})
+
+
 def _make_folder(family: str, folder: str) -> None:
     case, changes = FAMILIES[family]
-    _, cls, kwargs, _ = CASES[case]
-    config = getattr(transformers, cls)(vocab_size=VOCAB, **{**kwargs, **changes})
+    if case is None:
+        config = _qwen3_5_config()
+    else:
+        _, cls, kwargs, _ = CASES[case]
+        config = getattr(transformers, cls)(vocab_size=VOCAB, **{**kwargs, **changes})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # far from the default init, so attention is sharp and norms count
