@@ -1,5 +1,5 @@
 """Published checkpoints pad their vocabulary past the tokenizer's (DeepSeek-V3: 128,815 tokens in 129,280 rows). For
-Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3 and GPT-OSS (not yet Qwen3.5), a random transformers model whose vocabulary
+every family (Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3, GPT-OSS, Qwen3.5), a random transformers model whose vocabulary
 is the shipped tokenizer's 2,048 + 37 (an amount no power of two divides, so FSDP's row shards are uneven too) is
 saved with save_pretrained; the trainer takes its shape (--model.hf_config) and weights
 (--checkpoint.initial_load_in_hf) from the folder under FSDP 2, trains 2 steps at LR 0 and writes an HF folder
