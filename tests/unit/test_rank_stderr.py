@@ -63,3 +63,11 @@ def test_without_capture_there_is_no_rank_file(tmp_path):
     assert p.returncode == -signal.SIGABRT and "rank_worker_that_aborts" in p.stderr
     with pytest.raises(FileNotFoundError):
         open(path_for(str(tmp_path), 1))
+
+
+def test_an_uncaught_exception_reaches_both_before_the_process_is_gone(tmp_path):
+    """The normal exit path (capture drains tee there, as torchrun stops reading a rank when it exits)."""
+    p = _die(tmp_path, "raise RuntimeError('boom at exit')", capture=True)
+    assert p.returncode == 1
+    for text in (p.stderr, open(path_for(str(tmp_path), 1)).read()):
+        assert "Traceback" in text and "RuntimeError: boom at exit" in text, text

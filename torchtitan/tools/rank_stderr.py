@@ -12,6 +12,8 @@ the others' output in a temporary folder. So the entry point (torchtitan/train.p
   leaves it to write the last lines) into `{dump_folder}/ranks/rank-N.stderr` and the original stderr: every
   native write, Python's or C++'s or glibc's, lands in both, and tee outlives the rank that aborts;
 - turns faulthandler on over that stream, all threads;
+- at a normal exit, after Python printed any uncaught traceback, hands fd 2 back and waits (5 s at most) for
+  tee to write everything: torchrun stops reading a rank's output once the rank has exited;
 - sets LIBC_FATAL_STDERR_=1 (glibc writes its fatal messages to /dev/tty, not stderr, unless told) and
   TORCH_SHOW_CPP_STACKTRACES=1 (a c10::Error's message carries its C++ frames), unless the environment says
   otherwise.
@@ -21,6 +23,7 @@ dying process says. Before `capture` (argument parsing) faulthandler writes to s
 missing the file gets faulthandler's output alone.
 """
 
+import atexit
 import faulthandler
 import os
 import shutil
@@ -52,8 +55,21 @@ def capture(dump_folder: str, rank: int) -> str:
         faulthandler.enable(file=open(path, "a"), all_threads=True)  # noqa: SIM115 (held open by faulthandler)
         return path
     sys.stderr.flush()
-    _tee = subprocess.Popen([tee, "-a", path], stdin=subprocess.PIPE, stdout=sys.__stderr__.fileno(),
-                            start_new_session=True)
+    original = os.dup(2)
+    _tee = subprocess.Popen([tee, "-a", path], stdin=subprocess.PIPE, stdout=original, start_new_session=True)
     os.dup2(_tee.stdin.fileno(), 2)  # sys.stderr writes to fd 2, so Python's output follows too
     faulthandler.enable(file=sys.stderr, all_threads=True)
+    atexit.register(_drain, original)
     return path
+
+
+def _drain(original: int) -> None:
+    """At a normal exit (after Python printed any uncaught traceback): let tee write everything before this
+    process is gone, so torchrun, which stops reading a rank's output when the rank exits, shows all of it."""
+    sys.stderr.flush()
+    os.dup2(original, 2)  # what is written from here on goes straight to the console
+    _tee.stdin.close()  # tee sees the end of its input once every copy of the pipe is closed
+    try:
+        _tee.wait(timeout=5)  # sooner unless a child process (a compile worker) still holds the pipe
+    except subprocess.TimeoutExpired:
+        pass
