@@ -14,9 +14,10 @@ the others' output in a temporary folder. So the entry point (torchtitan/train.p
 - turns faulthandler on over that stream, all threads;
 - at a normal exit, after Python printed any uncaught traceback, hands fd 2 back and waits (5 s at most) for
   tee to write everything: torchrun stops reading a rank's output once the rank has exited;
-- sets LIBC_FATAL_STDERR_=1 (glibc writes its fatal messages to /dev/tty, not stderr, unless told) and
-  TORCH_SHOW_CPP_STACKTRACES=1 (a c10::Error's message carries its C++ frames), unless the environment says
-  otherwise.
+- sets LIBC_FATAL_STDERR_=1 (glibc writes its fatal messages to /dev/tty, not stderr, unless told), unless
+  the environment says otherwise. (TORCH_SHOW_CPP_STACKTRACES=1, C++ frames in c10's errors, stays the user's
+  choice, as in scripts/diagnostics/cp_abort_loop.py: on by default it would print a warning for every c10
+  error Python catches.)
 
 The training log itself goes to stdout (tools/logging.py), so the file holds warnings, tracebacks and what a
 dying process says. Before `capture` (argument parsing) faulthandler writes to stderr only. Where `tee` is
@@ -37,8 +38,17 @@ def path_for(dump_folder: str, rank: int) -> str:
     return os.path.join(dump_folder, "ranks", f"rank-{rank}.stderr")
 
 
+def _native_messages_on() -> None:
+    # glibc reads it when it writes a fatal message. TORCH_SHOW_CPP_STACKTRACES=1 is not set: it makes every
+    # c10::Error symbolize its C++ stack, caught ones too (3x the cost of one, measured) with a warning line
+    # each, and an abort's own message (libstdc++'s terminate line, with what()) reaches stderr without it.
+    os.environ.setdefault("LIBC_FATAL_STDERR_", "1")
+
+
 def enable_early() -> None:
-    """faulthandler on stderr, all threads: covers the time before the dump folder is known."""
+    """faulthandler on stderr, all threads, and glibc's fatal messages to stderr: covers the time before the dump
+    folder is known."""
+    _native_messages_on()
     faulthandler.enable(file=sys.stderr, all_threads=True)
 
 
@@ -46,8 +56,7 @@ def capture(dump_folder: str, rank: int) -> str:
     """Sends this process's stderr to `path_for(dump_folder, rank)` as well, with faulthandler on it; returns
     the file's path. Call once per process, from the process's entry point only (it takes over fd 2)."""
     global _tee
-    os.environ.setdefault("LIBC_FATAL_STDERR_", "1")
-    os.environ.setdefault("TORCH_SHOW_CPP_STACKTRACES", "1")
+    _native_messages_on()
     path = path_for(dump_folder, rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tee = shutil.which("tee")
