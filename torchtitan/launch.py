@@ -139,6 +139,11 @@ def main(argv: list[str]) -> int:
         return 1
     held.show()
     if failure is not None:
+        for rank, f in sorted(failure.failures.items()):
+            if f.exitcode < 0 and f.signal_name() not in ("SIGTERM", "SIGKILL"):  # SIGKILL leaves nothing to read
+                print(f"rank {rank} died of {f.signal_name()}: its stderr, with every thread's stack and any C/C++ "
+                      f"message, is in ranks/rank-{rank}.stderr under the run's --job.dump_folder "
+                      f"(tools/rank_stderr.py)", file=sys.stderr)
         raise failure  # a crash: torchrun's report (which rank, exit code or signal, its traceback)
     return 0
 

@@ -7,8 +7,9 @@ import os
 import sys
 
 if __name__ == "__main__":  # before torch's first CPU tensor (importing torch.distributed makes one)
-    from torchtitan.tools import cpu_malloc
+    from torchtitan.tools import cpu_malloc, rank_stderr
 
+    rank_stderr.enable_early()  # a fatal signal prints every thread's stack from here on
     cpu_malloc.choose_at_start()
 
 import torch.distributed as dist  # noqa: E402
@@ -17,7 +18,7 @@ from torchtitan.config import ConfigError  # noqa: E402
 from torchtitan.protocols.train_spec import config_manager  # noqa: E402
 from torchtitan.errors import USER_ERRORS  # noqa: E402
 from torchtitan.planning.memory_budget import resolve_budget  # noqa: E402
-from torchtitan.tools import cpu_malloc  # noqa: E402
+from torchtitan.tools import cpu_malloc, rank_stderr  # noqa: E402
 from torchtitan.tools.restart import LAUNCHED_ENV, peer_reported_user_error, record_failure  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
@@ -31,7 +32,9 @@ def _say(error: Exception) -> None:
         print(f"error: {error}", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
+    """Trains; returns the exit code. `own_process`: this process is the rank (python -m torchtitan.train),
+    so its stderr may be taken over (tools/rank_stderr.py), which an in-process caller's must not be."""
     try:
         cfg = config_manager().parse_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
@@ -39,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         _say(e)
         return 2
     cpu_malloc.respect_option(cfg.training.cpu_huge_pages)  # off: restarts this process once, without them
+    if own_process:  # after the restart above, which would start a second tee
+        rank_stderr.capture(cfg.job.dump_folder, int(os.environ.get("RANK", "0")))
     trainer = None
     try:
         # A memory budget becomes per-block choices here, before the trainer builds anything.
@@ -71,4 +76,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(own_process=True))

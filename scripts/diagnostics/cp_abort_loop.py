@@ -7,7 +7,8 @@
 
 Every rank's output is kept (LOG_RANK=all ranks) with Python's faulthandler on (a fatal signal prints every
 thread's Python stack) and TORCH_SHOW_CPP_STACKTRACES=1 (C++ frames in torch's errors); the log of a run that
-failed is kept under --out and its signal lines and stacks are printed. On CUDA, --comm.trace_buf_size turns
+failed is kept under --out and its signal lines and stacks are printed; its dump folder keeps every rank's
+stderr in ranks/rank-N.stderr (tools/rank_stderr.py), whichever rank died. On CUDA, --comm.trace_buf_size turns
 on NCCL's flight recorder as well (gloo has none). Prints one line per run and a summary:
 `runs N, ok K, aborted (SIGABRT) A, other failures F`.
 """
@@ -56,7 +57,7 @@ def main() -> int:
             path = os.path.join(opts.out, f"run-{i}.log")
             with open(path, "w") as f:
                 f.write(log)
-            print(f"  log: {path}", flush=True)
+            print(f"  log: {path}; each rank's stderr (stacks, C/C++ messages): {dump}/ranks/", flush=True)
             for line in signal_lines[:10]:
                 print(f"  {line}", flush=True)
             stack = log[log.find("Fatal Python error"):][:3000] if "Fatal Python error" in log else ""

@@ -1,8 +1,9 @@
-"""Published checkpoints pad their vocabulary past the tokenizer's (DeepSeek-V3: 128,815 tokens in 129,280
-rows). For every family, a random transformers model whose vocabulary is the shipped tokenizer's 2,048 + 37
-(an amount no power of two divides, so FSDP's row shards are uneven too) is saved with save_pretrained; the
-trainer takes its shape (--model.hf_config) and weights (--checkpoint.initial_load_in_hf) from the folder
-under FSDP 2, trains 2 steps at LR 0 and writes an HF folder (--checkpoint.last_save hf_only, float32).
+"""Published checkpoints pad their vocabulary past the tokenizer's (DeepSeek-V3: 128,815 tokens in 129,280 rows). For
+every family (Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3, GPT-OSS, Qwen3.5), a random transformers model whose vocabulary
+is the shipped tokenizer's 2,048 + 37 (an amount no power of two divides, so FSDP's row shards are uneven too) is
+saved with save_pretrained; the trainer takes its shape (--model.hf_config) and weights
+(--checkpoint.initial_load_in_hf) from the folder under FSDP 2, trains 2 steps at LR 0 and writes an HF folder
+(--checkpoint.last_save hf_only, float32).
 Checked per family:
 - the model keeps the folder's 2,085 rows (the vocabulary rule, protocols/model.py `job_vocab_size`);
 - HF -> ours: the sharded model's logits right after loading equal transformers' on the folder, within 1e-5
@@ -31,6 +32,8 @@ FAMILIES = {  # family -> (a case of test_hf_any_size whose shape to reuse, chan
     "qwen3": ("qwen3_hd24", {}),
     "qwen3_moe": ("qwen3_moe", {}),
     "deepseek_v3": ("deepseek_q_lora", {}),
+    "gpt_oss": ("gpt_oss", {}),  # sliding and full attention layers, sinks, YaRN
+    "qwen3_5": (None, {}),  # Gated DeltaNet and gated attention layers: tests/unit/test_qwen3_5_hf.py's dense shape
 }
 OPTIONS = [
     "--training.seq_len", "32", "--training.global_batch_size", "4", "--training.local_batch_size", "2",
@@ -42,10 +45,24 @@ OPTIONS = [
 ]
 
 
+def _qwen3_5_config():
+    import dataclasses
+
+    from tests.unit.test_qwen3_5_hf import DENSE
+    from torchtitan.models.qwen3_5.state_dict_adapter import Qwen3_5StateDictAdapter
+
+    hf = Qwen3_5StateDictAdapter.to_hf_config(dataclasses.replace(DENSE, vocab_size=VOCAB), torch.float32)
+    return transformers.Qwen3_5TextConfig(**{k: v for k, v in hf.items()
+                                             if k not in ("architectures", "model_type", "torch_dtype")})
+
+
 def _make_folder(family: str, folder: str) -> None:
     case, changes = FAMILIES[family]
-    _, cls, kwargs, _ = CASES[case]
-    config = getattr(transformers, cls)(vocab_size=VOCAB, **{**kwargs, **changes})
+    if case is None:
+        config = _qwen3_5_config()
+    else:
+        _, cls, kwargs, _ = CASES[case]
+        config = getattr(transformers, cls)(vocab_size=VOCAB, **{**kwargs, **changes})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # far from the default init, so attention is sharp and norms count
@@ -83,7 +100,7 @@ def trained(tmp_path_factory):
     runs = []
     for family in FAMILIES:
         _make_folder(family, str(root / family / "hf_in"))
-        moe = ["--moe.load_balance_coeff", "0"] if "moe" in family or "deepseek" in family else []
+        moe = ["--moe.load_balance_coeff", "0"] if family in ("qwen3_moe", "deepseek_v3", "gpt_oss") else []
         runs.append((family, str(root / family / "hf_in"), str(root / family / "run"), moe))
     return root, run_ranks(_run, 2, runs)[0]
 

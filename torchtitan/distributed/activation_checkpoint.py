@@ -67,7 +67,14 @@ def _op_level_context():
 
 def _wrap_full(block: nn.Module) -> nn.Module:
     # Non-reentrant checkpoint: works with torch.compile, FSDP2 hooks and inputs that do not require grad.
-    return checkpoint_wrapper(block, preserve_rng_state=False)
+    wrapper = checkpoint_wrapper(block, preserve_rng_state=False)
+    wrapper.recomputes_whole_block = True  # read by distributed/compile.py
+    return wrapper
+
+
+def recomputes_whole_block(module: nn.Module) -> bool:
+    """True for a block wrapped by full AC (no policy: backward re-runs the whole forward)."""
+    return getattr(module, "recomputes_whole_block", False)
 
 
 def _wrap_op_level(block: nn.Module) -> nn.Module:

@@ -24,8 +24,10 @@ import torch._functorch.config
 import torch.nn as nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.activation_checkpoint import recomputes_whole_block
 from torchtitan.tools.logging import logger
 
 COMPONENTS = ("model", "loss")
@@ -109,6 +111,16 @@ def apply_compile(model: nn.Module, *, eager: Sequence[nn.Module] = (), apart: S
         if any(id(m) in eager_ids or id(m) in apart_ids for m in target.modules()):
             _compile_around(_unwrapped(target), eager_ids, apart_ids, backend)
             split += 1
+        elif recomputes_whole_block(target) and any(isinstance(p, DTensor) for p in target.parameters()):
+            # A full-AC wrapper stays eager around a tensor-parallel block (compiled whole inside it). Traced,
+            # the checkpoint makes AOTAutograd's partitioner recompute the attention kernel in backward; SDPA
+            # is tagged random (its dropout), so the partitioner stashes an RNG state for it and appends it to
+            # the forward's outputs after the saved DeviceMesh (an opaque object), where AOTAutograd expects
+            # only symints: "expected all tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh"
+            # (torch 2.13, functionalize_rng_ops in torch/_functorch/partitioners.py). Eager around the
+            # compiled block, the checkpoint still keeps only the block's input and re-runs the compiled
+            # forward in backward: full AC's memory and numbers. Op-level AC traces (it saves the attention).
+            _unwrapped(target).compile(fullgraph=True, backend=backend)
         else:
             target.compile(fullgraph=True, backend=backend)
     if getattr(model, "tok_embeddings", None) is not None:
