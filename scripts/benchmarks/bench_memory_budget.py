@@ -18,7 +18,7 @@
 Per run it prints the training memory measured = peak RSS - the RSS of the process before the trainer started
 (the interpreter: not what a budget is for), its median step time (steps 2..N) and its ratio to full AC's, the
 predicted peak and whether its losses equal no AC's bitwise. Run it with the machine otherwise idle for the
-step times (/work/coord/bin/quiet on the shared machine); it prints the load average before and after.
+step times (run it with the machine otherwise idle); it prints the load average before and after.
 """
 
 import argparse
