@@ -185,6 +185,7 @@ def restore_initial() -> None:
 
 
 def _current_rss() -> int | None:
+    # tools/memory has the same reader, but importing it imports torch; this module stays torch-free
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * _PAGE
