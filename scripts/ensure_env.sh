@@ -39,6 +39,8 @@ if sys.argv[1] == "test":
     # float8 (torchao), fault-tolerant replicas (torchft), HF interop (transformers, peft), plot tests (matplotlib)
     # and the layer contract (import-linter)
     mods += ["pytest", "torchao", "torchft", "transformers", "peft", "matplotlib", "importlinter"]
+if sys.argv[1] == "test" and sys.platform.startswith("linux"):
+    md.version("cmeel-mimalloc")  # --training.cpu_allocator mimalloc's test (no module to find: a library)
 sys.exit(0 if all(u.find_spec(m) for m in mods) else 1)
 PY
 then
@@ -46,3 +48,4 @@ then
     # torch is already present and satisfies the requirement, so pip keeps it.
     "$PYTHON" -m pip install -q -e ".$extras"
 fi
+

@@ -16,6 +16,7 @@ from torchtitan.config import JobConfig
 from torchtitan.datasets.dataloader import check_shard_folder, is_dataset_name, parse_mixture
 from torchtitan.datasets.schedule import mixture_schedule
 from torchtitan.datasets.sources import DATASETS, local_data_files, open_documents
+from torchtitan.tools import cpu_malloc
 
 
 def _at_least(n: int) -> tuple[Callable[[object], bool], str]:
@@ -95,6 +96,8 @@ def check_job_values(cfg: JobConfig) -> None:
     if cfg.training.loss_chunk_size > cfg.training.seq_len:
         raise ValueError(f"--training.loss_chunk_size {cfg.training.loss_chunk_size} is longer than the sequence "
                          f"(--training.seq_len {cfg.training.seq_len}); use at most {cfg.training.seq_len} ({cfg.training.seq_len} = the plain loss), or -1 (auto)")
+    if cfg.training.cpu_allocator in cpu_malloc.ALLOCATORS:  # a named allocator must be there to preload
+        cpu_malloc.wanted_allocator(cfg.training.cpu_allocator, accelerator=False)
     _check_creatable_folder(cfg.job.dump_folder)
     t = cfg.training
     mixture = parse_mixture(t.datasets) if t.datasets else [(t.dataset, 1.0)]

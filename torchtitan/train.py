@@ -41,8 +41,10 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
         record_failure(str(e), restartable=False, user_error=True)
         _say(e)
         return 2
-    cpu_malloc.respect_option(cfg.training.cpu_huge_pages)  # off: restarts this process once, without them
-    if own_process:  # after the restart above, which would start a second tee
+    if own_process:  # an in-process caller (tests) keeps its own process as it is
+        # Options that need another process image (huge pages off, a preloaded allocator): restarts once, the
+        # same pid. Before the tee below, which a restart would start twice.
+        cpu_malloc.respect_options(cfg.training.cpu_huge_pages, cfg.training.cpu_allocator)
         rank_stderr.capture(cfg.job.dump_folder, int(os.environ.get("RANK", "0")))
     trainer = None
     try:

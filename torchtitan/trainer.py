@@ -63,7 +63,7 @@ class Trainer:
         if self.device.type == "cpu":
             if cfg.memory.cpu_return_freed:  # a memory budget bounds resident memory: nothing freed stays
                 cpu_malloc.return_freed_memory()
-            elif cfg.training.cpu_keep_freed_memory:
+            elif cfg.training.cpu_keep_freed_memory and cpu_malloc.loaded_allocator() is None:  # glibc's malloc
                 self.kept_heap = cpu_malloc.keep_freed_memory_bounded(cfg.training.cpu_kept_heap_growth)
             logger.info(f"CPU allocator: {cpu_malloc.describe()}")
         fault_injection.install(self.rank)  # no-op unless TORCHTITAN_FAULTS is set (fault-tolerance tests)
@@ -341,6 +341,8 @@ class Trainer:
         """The spec's validator over the validation split; a mixture adds validation/loss/<source>."""
         loader = self._build_dataloader("validation", self.cfg.validation.local_batch_size, infinite=False)
         source_sums: list[torch.Tensor] = []
+        if self.kept_heap is not None:  # a pass of other shapes: the training steps' kept heap goes back first
+            self.kept_heap.before(("validation",))
 
         def forward_loss_sum(inputs, labels: torch.Tensor) -> torch.Tensor:
             loss, sums = self._forward_loss_sums(inputs, labels)
@@ -409,6 +411,8 @@ class Trainer:
                     raise TrainingError(f"the data ran out at step {step}") from e
                 data_time += time.perf_counter() - t0
                 self.step_clock.data_loaded()
+                if self.kept_heap is not None:  # other shapes than the last step's: return the kept heap first
+                    self.kept_heap.before(("train", *(tuple(labels.shape) for _, labels in microbatches)))
                 loss, grad_norm, model_metrics = self.train_step(microbatches)
                 if self._guard_event is not None:
                     self.guard.record(self._guard_event, self.metrics)  # stops the run past max_events

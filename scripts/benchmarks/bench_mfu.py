@@ -19,14 +19,17 @@ multiplies bf16 natively; no autocast then), one model and optimizer shared by e
   this step's FLOPs and the measured peak: with its blocks compiled (regional compile; the warm-up step
   compiles) when it says on, else the eager defaults above. It runs after the eager variants (compiling the
   blocks changes the shared model); the line above the table quotes the rule's figures;
-- framework, tuned (`--tuned`, last): the compiled defaults with glibc keeping freed memory without the
-  default's bound (no trim; with `--malloc huge_pages|plain`: kept from then on, set mid-process by mallopt).
+- framework, tuned (`--tuned`, last): the compiled defaults with freed memory kept without the default's
+  bound: under mimalloc nothing purged (MIMALLOC_PURGE_DELAY -1, set in the running process), under glibc no
+  trim (with `--malloc huge_pages|plain`: kept from then on, set mid-process by mallopt).
 Variants alternate step by step after one warm-up step each; medians. The CPU allocator is the process's, so
-every variant runs with the one `--malloc` names: `default` (the trainer's: torch's large tensors on
-transparent huge pages, `--training.cpu_huge_pages`, and glibc keeping freed blocks within the bound of
-`--training.cpu_keep_freed_memory`, `KeptHeap.after_step` after every step as the trainer calls it, settled
-afresh for each phase as a new run would), `huge_pages` (huge pages alone), `plain` (glibc as it starts) or
-`keep` (kept without bound); compare them by separate runs with `--only defaults`. MFU = model FLOPs (the llama3
+every variant runs with the one `--malloc` names: `default` (the trainer's: `glibc_kept`), `mimalloc`
+(`--training.cpu_allocator mimalloc`: the script restarts itself with the trainer's preload environment,
+`cpu_malloc.preload_environment`; torch's large tensors on transparent huge pages),
+`glibc_kept` (huge pages, and glibc keeping freed blocks within the bound of `--training.cpu_keep_freed_memory`,
+`KeptHeap.before` / `after_step` around every step as the trainer calls them, settled afresh for each phase as
+a new run would), `huge_pages` (huge pages alone), `plain` (glibc as it starts) or `keep` (kept without bound); compare
+them by separate runs with `--only defaults`. MFU = model FLOPs (the llama3
 args' `flops_per_token`: 6 x non-embedding params + attention) / step time / the measured peak (the best
 large bf16 GEMM, torchtitan.tools.device_peak). Memory: peak RSS of the process (CPU). The breakdown: one
 profiled step per variant, self CPU time by op kind.
@@ -99,13 +102,24 @@ def main() -> None:
                    help="last, the compiled defaults with freed memory kept without the default bound")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--only", choices=["before", "defaults"], help="run this framework variant alone")
-    p.add_argument("--malloc", default="default", choices=["default", "huge_pages", "plain", "keep"],
+    p.add_argument("--malloc", default="default",
+                   choices=["default", "mimalloc", "glibc_kept", "huge_pages", "plain", "keep"],
                    help="the CPU allocator setting of the process (default: the trainer's; tools/cpu_malloc.py)")
     a = p.parse_args()
     import os
 
+    from torchtitan.tools import cpu_malloc  # torch-free: before torch's first CPU tensor
+
     load_start = os.getloadavg()[0]
-    if a.malloc in ("default", "huge_pages"):  # before torch's first CPU tensor, as torchtitan/train.py does
+    if a.malloc == "default":
+        a.malloc = "glibc_kept"  # the trainer's default (--training.cpu_allocator glibc, kept heap bounded)
+    if a.malloc == "mimalloc":
+        wanted = cpu_malloc.wanted_allocator("mimalloc", accelerator=False)
+        if cpu_malloc.loaded_allocator() is None:  # preloading needs a new process image
+            sys.stdout.flush()
+            os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
+                      cpu_malloc.preload_environment(wanted, dict(os.environ)))
+    if a.malloc in ("mimalloc", "glibc_kept", "huge_pages"):  # before torch's first CPU tensor, as train.py does
         os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
     import torch
     import torch.nn.functional as F
@@ -115,7 +129,6 @@ def main() -> None:
     from torchtitan.config.job_config import JobConfig
     from torchtitan.distributed.utils import clip_grad_norm_
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs
-    from torchtitan.tools import cpu_malloc
     from torchtitan.tools.device_peak import peak_flops
     from torchtitan.tools.memory import _peak_rss_bytes
     from torchtitan.tools.params import count_params
@@ -128,11 +141,11 @@ def main() -> None:
     def settle() -> None:  # a new phase starts as a new run: the bound measures its working set afresh
         if heap["bound"] is not None:
             heap["trims"] += heap["bound"].trims
-        heap["bound"] = cpu_malloc.KeptHeap(growth) if a.malloc == "default" else None
+        heap["bound"] = cpu_malloc.KeptHeap(growth) if a.malloc == "glibc_kept" else None
 
     if a.malloc == "keep":
         cpu_malloc.keep_freed_memory()  # kept without bound, for every variant
-    elif a.malloc == "default":
+    elif a.malloc == "glibc_kept":
         cpu_malloc.keep_freed_memory_bounded(growth)
         settle()
 
@@ -212,6 +225,8 @@ def main() -> None:
 
     def timed(name: str, step) -> None:
         t0 = time.perf_counter()
+        if heap["bound"] is not None:
+            heap["bound"].before((a.batch, a.seq_len))  # as the trainer calls it: one shape, so it keeps all
         step()
         if heap["bound"] is not None:
             heap["bound"].after_step()  # a trim's cost counts in its step
@@ -246,7 +261,10 @@ def main() -> None:
         if a.tuned:
             settle()
             heap["bound"] = None  # kept without bound from here on
-            cpu_malloc.keep_freed_memory()
+            if a.malloc == "mimalloc":
+                cpu_malloc.mimalloc_purge_delay(-1)
+            else:
+                cpu_malloc.keep_freed_memory()
             run_last("framework, tuned (defaults, freed memory kept without bound)", defaults_step)
     settle()
     rss = _peak_rss_bytes()

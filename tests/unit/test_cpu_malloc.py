@@ -51,6 +51,11 @@ def test_trainer_keeps_the_heap_bounded_by_default_and_one_option_turns_it_off(m
     class CountingBound:
         def __init__(self, growth):
             self.growth, self.steps, self.trims, self.last_trim_freed = growth, 0, 0, 0
+            self.shapes = []
+
+        def before(self, shapes):
+            self.shapes.append(shapes)
+            return False
 
         def after_step(self):
             self.steps += 1
@@ -73,6 +78,7 @@ def test_trainer_keeps_the_heap_bounded_by_default_and_one_option_turns_it_off(m
         if extra == ():
             trainer.train()
             assert made[0].growth == 0.25 and made[0].steps == 3, vars(made[0])  # once a step
+            assert len(made[0].shapes) == 3 and made[0].shapes[0][0] == "train", made[0].shapes  # before each
         trainer.close()
         assert (len(made), len(returned), len(restored)) == (kept, unmapped, kept), extra
 
@@ -141,10 +147,10 @@ def test_entry_point_uses_huge_pages_by_default_and_the_option_turns_them_off(tm
     env = {k: v for k, v in os.environ.items() if k not in (cpu_malloc.HUGE_PAGES_ENV, "TORCHTITAN_THP_SET")}
     env["OMP_NUM_THREADS"] = "1"
     lines = {}
-    for flag in ("true", "false"):
+    for flag in ("true", "false"):  # under glibc, whose blocks are page-aligned only on huge pages
         out = subprocess.run(
-            [sys.executable, "-m", "torchtitan.train", *TINY, "--training.steps", "1",
-             "--job.dump_folder", str(tmp_path / flag), "--training.cpu_huge_pages", flag],
+            [sys.executable, "-m", "torchtitan.train", *TINY, "--training.steps", "1", "--training.cpu_allocator",
+             "glibc", "--job.dump_folder", str(tmp_path / flag), "--training.cpu_huge_pages", flag],
             env=env, capture_output=True, text=True, timeout=600,
         )
         assert out.returncode == 0, out.stderr[-3000:]
@@ -184,3 +190,86 @@ def test_return_freed_memory_keeps_resident_memory_to_the_live_blocks():
     kept = [float(subprocess.run([sys.executable, "-c", _RETURN_PROBE.format(root=root, fixed=f)], text=True,
                                  capture_output=True, check=True).stdout) for f in (False, True)]
     assert kept[0] > 200 and kept[1] < 16, kept  # glibc's dynamic threshold keeps ~252 MiB freed; fixed: ~4
+
+
+def test_entry_point_preloads_the_named_allocator_and_keeps_glibc_by_default(tmp_path):
+    """`python -m torchtitan.train --training.cpu_allocator mimalloc` on a CPU machine restarts the rank once
+    with mimalloc preloaded (pip install torchtitan[cpu]; the test extra installs it), in one restart with
+    huge pages off; the log's allocator line says what serves the process's malloc, read from its memory map
+    (the negative control: the default run, which must say glibc)."""
+    import os
+
+    from tests.unit.checkpoint_helpers import TINY
+    from torchtitan.tools import cpu_malloc
+
+    if cpu_malloc.accelerator_present():
+        pytest.skip("a GPU machine: the allocator is left alone")
+    assert cpu_malloc.find_allocator("mimalloc"), "the test extra installs cmeel-mimalloc: pip install -e .[test]"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTITAN_", "MIMALLOC_"))}
+    env.update(OMP_NUM_THREADS="1", LD_PRELOAD="")
+    lines = {}
+    for name, extra in {"default": [], "mimalloc": ["--training.cpu_allocator", "mimalloc",
+                                                    "--training.cpu_huge_pages", "false"]}.items():
+        out = subprocess.run([sys.executable, "-m", "torchtitan.train", *TINY, "--training.steps", "1",
+                              "--job.dump_folder", str(tmp_path / name), *extra],
+                             env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        lines[name] = [line for line in out.stdout.splitlines() if "CPU allocator:" in line]
+        assert len(lines[name]) == 1, out.stdout[-3000:]  # one line, even across the restart
+    assert "mimalloc preloaded (--training.cpu_allocator" in lines["mimalloc"][0], lines
+    assert f"MIMALLOC_PURGE_DELAY={cpu_malloc.MIMALLOC_PURGE_DELAY_MS} ms" in lines["mimalloc"][0], lines
+    assert "transparent huge pages: no" in lines["mimalloc"][0], lines
+    assert "mimalloc" not in lines["default"][0] and "glibc keeps large freed blocks" in lines["default"][0], lines
+
+
+def test_allocator_choice_rules(monkeypatch):
+    """What each --training.cpu_allocator value preloads: glibc nothing, a named allocator its library, GPU
+    machines nothing; one that is not installed is one line in pre-flight."""
+    from torchtitan.tools import cpu_malloc
+
+    find = {"mimalloc": "/lib/libmimalloc.so", "jemalloc": "libjemalloc.so.2"}.get
+    assert cpu_malloc.wanted_allocator("glibc", False, find) is None
+    assert cpu_malloc.wanted_allocator("mimalloc", False, find) == ("mimalloc", "/lib/libmimalloc.so")
+    assert cpu_malloc.wanted_allocator("jemalloc", False, find) == ("jemalloc", "libjemalloc.so.2")
+    assert cpu_malloc.wanted_allocator("mimalloc", True, find) is None  # a GPU machine
+    with pytest.raises(ValueError, match="--training.cpu_allocator tcmalloc: no libtcmalloc found.*use glibc"):
+        cpu_malloc.wanted_allocator("tcmalloc", False, find)
+
+    from tests.unit.checkpoint_helpers import TINY
+    from torchtitan.job_checks import check_job_values
+    from torchtitan.protocols.train_spec import config_manager
+
+    monkeypatch.setattr(cpu_malloc, "find_allocator", lambda name: None)
+    with pytest.raises(ValueError, match="--training.cpu_allocator jemalloc: no libjemalloc found"):
+        check_job_values(config_manager().parse_args([*TINY, "--training.cpu_allocator", "jemalloc"]))
+    check_job_values(config_manager().parse_args(list(TINY)))  # the default needs no library
+
+
+def test_kept_heap_returns_everything_before_a_step_of_other_shapes():
+    """`before(shapes)`: the same shapes again keep the heap; other shapes (another sequence length, a
+    validation pass) trim it first, once per change; the first step has nothing to return."""
+    from torchtitan.tools.cpu_malloc import KeptHeap
+
+    trims = []
+    heap = KeptHeap(0.1, read_rss=lambda: 100, trim=lambda: trims.append(1))
+    calls = [(1, 2048), (1, 2048), (1, 1024), (1, 1024), ("validation",), (1, 2048)]
+    assert [heap.before(c) for c in calls] == [False, False, True, False, True, True]
+    assert len(trims) == heap.shape_trims == 3 and heap.trims == 0
+
+
+def test_preload_environment_keeps_the_users_preload_and_marks_the_choice():
+    """The environment a restart gets: the allocator in front of the user's own LD_PRELOAD, the choice marked
+    (glibc too, so that the restarted start does not preload again), mimalloc's purge delay unless the user set
+    one; going back to glibc gives the user's LD_PRELOAD back unchanged."""
+    from torchtitan.tools import cpu_malloc
+
+    user = {"LD_PRELOAD": "/opt/mine.so", "KEEP": "1"}
+    mi = cpu_malloc.preload_environment(("mimalloc", "/lib/libmimalloc.so"), user)
+    assert mi["LD_PRELOAD"] == "/lib/libmimalloc.so:/opt/mine.so" and mi["KEEP"] == "1"
+    assert mi["MIMALLOC_PURGE_DELAY"] == cpu_malloc.MIMALLOC_PURGE_DELAY_MS
+    assert cpu_malloc.preload_environment(("mimalloc", "/l.so"), {"MIMALLOC_PURGE_DELAY": "7"})["MIMALLOC_PURGE_DELAY"] == "7"
+    back = cpu_malloc.preload_environment(None, mi)
+    assert back["LD_PRELOAD"] == "/opt/mine.so" and back["TORCHTITAN_CPU_ALLOCATOR"] == "glibc="
+    assert "LD_PRELOAD" not in cpu_malloc.preload_environment(None, {})
+    again = cpu_malloc.preload_environment(("jemalloc", "libjemalloc.so.2"), back)  # from a restarted process
+    assert again["LD_PRELOAD"] == "libjemalloc.so.2:/opt/mine.so"

@@ -143,11 +143,20 @@ class Training:
     afresh fault in 2 MiB at a time instead of 4 KiB (with cpu_keep_freed_memory, only the first time). false: the process restarts once without them. No effect on GPU runs,
     without the kernel's transparent huge pages, or where THP_MEM_ALLOC_ENABLE is set in the environment."""
 
+    cpu_allocator: Literal["glibc", "mimalloc", "jemalloc", "tcmalloc"] = "glibc"
+    """CPU runs: the malloc serving the process's tensors. glibc (the default): glibc's, with
+    cpu_keep_freed_memory. mimalloc, jemalloc, tcmalloc: that library preloaded (the entry point restarts the
+    rank once with LD_PRELOAD, the same pid; it must be installed, pre-flight says so; mimalloc: pip install
+    torchtitan[cpu]). Measured (docs/performance.md): mimalloc's peak memory is tighter under varying shapes,
+    its steps slower at the 1B slice. An allocator already in LD_PRELOAD is left alone; the log's
+    `CPU allocator:` line names what runs. No effect on machines with a GPU."""
+
     cpu_keep_freed_memory: bool = True
-    """CPU runs: glibc's malloc keeps large freed blocks for the next step instead of unmapping each one and
-    page-faulting it in again (tools/cpu_malloc.py), within a bound: when a step leaves the process's resident
-    memory more than cpu_kept_heap_growth above the first steps', the free pages go back to the OS
-    (malloc_trim). Faster steps at the same peak memory as glibc's default (figures: docs/performance.md).
+    """CPU runs under glibc's malloc (cpu_allocator glibc): glibc's malloc keeps large freed blocks for the next
+    step instead of unmapping each one and page-faulting it in again (tools/cpu_malloc.py), within a bound: the
+    free pages go back to the OS (malloc_trim) before a step whose shapes differ from the last step's (another
+    sequence length, a validation pass), and when a step leaves the process's resident memory more than
+    cpu_kept_heap_growth above the first steps'. Faster steps at the same peak memory as glibc's default (figures: docs/performance.md).
     false: glibc as it starts. --memory.cpu_return_freed (a memory budget) wins over it. No effect on GPU runs
     or without glibc."""
 

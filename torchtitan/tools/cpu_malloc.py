@@ -1,4 +1,5 @@
-"""How a CPU run's large tensors get their memory: glibc keeps freed blocks, within a bound, on huge pages.
+"""How a CPU run's large tensors get their memory: glibc keeping freed blocks within a bound, on huge pages (or,
+by choice, a preloaded size-class allocator).
 
 A training step allocates and frees its large tensors every time (the [tokens x vocab] logits and their
 gradient, the loss's float32 chunks, activations, gradients). glibc's malloc serves every block above its
@@ -13,7 +14,7 @@ one is page-faulted in again, 4 KiB at a time. Two remedies:
   allocates a tensor, so the entry point (torchtitan/train.py) sets it before anything else
   (`choose_at_start`): on machines without CUDA, where the kernel offers transparent huge pages, unless the
   environment already says otherwise. `--training.cpu_huge_pages false` restarts the process once without it
-  (`respect_option`). GPU runs are untouched.
+  (`respect_options`). GPU runs are untouched.
 - **Returning every freed block (`memory.cpu_return_freed`, set by a memory budget).** glibc's mmap
   threshold is dynamic: each freed mmapped block raises it to that block's size (up to 32 MiB), after which
   blocks of that size come from the heap, whose freed middle is never returned: the process's resident memory
@@ -30,6 +31,18 @@ one is page-faulted in again, 4 KiB at a time. Two remedies:
   `training.cpu_kept_heap_growth` above it, `malloc_trim(0)` hands every free page back to the OS (the next
   step faults them in again, once). `--memory.cpu_return_freed` (a memory budget) wins over it. `close()`
   puts glibc's thresholds back to their initial values, for a process that goes on after the trainer.
+
+  The bound alone cannot stop the heap fragmenting when a step's shapes differ from the last one's (another
+  sequence length, a validation pass): the kept blocks are sized for the other shapes, the coming step does not
+  fit in their holes and grows the heap (the peak: 1.25x glibc's own over 300 steps of two alternating shapes).
+  So `KeptHeap.before` returns every free page before a step whose shapes differ from the previous step's; a
+  run of one shape (every training step but the last partial batch) keeps everything.
+- **A preloaded allocator (`training.cpu_allocator mimalloc|jemalloc|tcmalloc`, by choice).** A library can
+  only be preloaded before the process starts, so the entry point restarts itself once (same pid: torchrun
+  keeps track) with LD_PRELOAD set (`respect_options`), unless the user preloaded an allocator already; the
+  children a rank starts (tee, compile workers) get the user's LD_PRELOAD back. mimalloc (the `cmeel-mimalloc`
+  wheel, `pip install torchtitan[cpu]`) returns memory that stays free for `MIMALLOC_PURGE_DELAY` ms: tighter
+  memory than the kept heap but slower steps at the 1B slice (docs/performance.md), so it is not the default.
 
 Only the process's CPU allocations change; numerics do not. No-op where the C library is not glibc or the
 kernel has no transparent huge pages.
@@ -80,15 +93,149 @@ def choose_at_start() -> None:
     os.environ[_SET_HERE_ENV] = "1"
 
 
-def respect_option(enabled: bool) -> None:
-    """`--training.cpu_huge_pages false` after `choose_at_start` turned them on: restart this process (the same
-    pid, so torchrun keeps track of it) with them off. torch's choice cannot be undone in a running process."""
-    if enabled or os.environ.pop(_SET_HERE_ENV, None) is None:
+ALLOCATORS = ("mimalloc", "jemalloc", "tcmalloc")  # what --training.cpu_allocator can preload, by name
+_PRELOADED_ENV = "TORCHTITAN_CPU_ALLOCATOR"  # "name=path" this entry point preloaded; "glibc=" for none
+_EXECS_ENV = "TORCHTITAN_ALLOCATOR_EXECS"  # restarts so far: one settles the options
+_USER_PRELOAD_ENV = "TORCHTITAN_USER_LD_PRELOAD"  # the user's own LD_PRELOAD, given back to the rank's children
+# mimalloc returns memory that stays free this long (ms; x10 for its arenas), its own default; measured
+# (docs/performance.md): 1,000 kept 1.21x glibc's peak, 10 and 100 1.05x, 0 faults every block in again.
+MIMALLOC_PURGE_DELAY_MS = "10"
+
+
+def accelerator_present() -> bool:
+    """Whether this machine has a GPU, judged without importing torch: the device files of NVIDIA's and AMD's
+    drivers."""
+    import glob
+
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd")
+
+
+def find_allocator(name: str) -> str | None:
+    """The library to preload for allocator `name`: mimalloc from the cmeel-mimalloc wheel of this Python
+    environment first, else the system's library by its soname (LD_PRELOAD finds a name without a slash in
+    the library path); None where it is not installed."""
+    if name == "mimalloc":
+        try:
+            import importlib.metadata as md
+
+            for f in md.distribution("cmeel-mimalloc").files or ():
+                if f.name == "libmimalloc.so":
+                    path = str(f.locate())
+                    if os.path.exists(path):
+                        return path
+        except Exception:  # not installed, or installed without its file list
+            pass
+    for lib in (name, "tcmalloc_minimal") if name == "tcmalloc" else (name,):
+        found = ctypes.util.find_library(lib)
+        if found:
+            return found
+    return None
+
+
+def _user_preload(environ=os.environ) -> str:
+    """The user's own LD_PRELOAD, without the allocator this module added to it."""
+    if _PRELOADED_ENV in environ:
+        return environ.get(_USER_PRELOAD_ENV, "")
+    return environ.get("LD_PRELOAD", "")
+
+
+def user_preloaded_allocator() -> str | None:
+    """The allocator the user's LD_PRELOAD already names (then this module preloads nothing), or None."""
+    return next((n for n in ALLOCATORS if n in _user_preload()), None)
+
+
+def wanted_allocator(choice: str, accelerator: bool, find=find_allocator) -> tuple[str, str] | None:
+    """(name, library) to preload for `--training.cpu_allocator choice`, or None for glibc (the default, and on
+    GPU machines, whose tensors are the GPU's). A named allocator that is not installed raises (pre-flight)."""
+    if accelerator or choice == "glibc":
+        return None
+    path = find(choice)
+    if path is None:
+        raise ValueError(f"--training.cpu_allocator {choice}: no lib{choice} found (in this Python environment "
+                         f"or the system's library path); install it (mimalloc: pip install cmeel-mimalloc) or "
+                         f"use glibc")
+    return choice, path
+
+
+def preload_environment(preload: tuple[str, str] | None, environ: dict[str, str]) -> dict[str, str]:
+    """`environ` for a process started with `preload` (name, library) in LD_PRELOAD, or with glibc; the user's
+    own LD_PRELOAD stays behind it, and the choice is marked so that the entry point does not make it again."""
+    user = _user_preload(environ)
+    env = {k: v for k, v in environ.items() if k not in (_PRELOADED_ENV, _USER_PRELOAD_ENV, "LD_PRELOAD")}
+    name, path = preload or ("glibc", "")  # glibc marked too: the choice is made
+    env[_PRELOADED_ENV] = f"{name}={path}"
+    env[_USER_PRELOAD_ENV] = user
+    if path:
+        env["LD_PRELOAD"] = ":".join(p for p in (path, user) if p)
+        if name == "mimalloc":
+            env.setdefault("MIMALLOC_PURGE_DELAY", MIMALLOC_PURGE_DELAY_MS)
+    elif user:
+        env["LD_PRELOAD"] = user
+    return env
+
+
+def _exec_with(preload: tuple[str, str] | None) -> None:
+    """Restart this process (the same pid, so torchrun keeps track of it) with `preload` or glibc."""
+    execs = int(os.environ.get(_EXECS_ENV, "0"))
+    if execs >= 1:  # a choice that does not settle must not restart forever
+        print(f"warning: CPU allocator: not restarting again for {preload}", file=sys.stderr)
         return
-    os.environ[HUGE_PAGES_ENV] = "0"
+    env = preload_environment(preload, dict(os.environ, **{_EXECS_ENV: str(execs + 1)}))
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def _preloaded_here() -> tuple[str, str] | None:
+    """(name, library) this module preloaded into this process; None for glibc (chosen, or never decided)."""
+    name, _, path = os.environ.get(_PRELOADED_ENV, "").partition("=")
+    return (name, path) if path else None
+
+
+def respect_options(huge_pages: bool, allocator: str) -> None:
+    """Once the options are read, in the rank's own process: restart it (once, the same pid) if they ask for
+    other than what it runs: `--training.cpu_huge_pages false` after `choose_at_start` turned huge pages on
+    (torch's choice cannot be undone in a running process), or another allocator than the one preloaded
+    (`--training.cpu_allocator`). An allocator the user preloaded themselves is left alone. In the restarted
+    process, the user's LD_PRELOAD goes back into the environment its children inherit."""
+    restart = False
+    if not huge_pages and os.environ.pop(_SET_HERE_ENV, None) is not None:
+        os.environ[HUGE_PAGES_ENV] = "0"
+        restart = True
+    have = _preloaded_here()
+    if user_preloaded_allocator() is None:
+        wanted = wanted_allocator(allocator, accelerator_present())
+        restart = restart or (wanted[0] if wanted else None) != (have[0] if have else None)
+    else:
+        wanted = have
+    if restart:
+        _exec_with(wanted)
+    if _PRELOADED_ENV in os.environ:  # restarted by _exec_with: children get the user's LD_PRELOAD, not ours
+        user = os.environ.get(_USER_PRELOAD_ENV, "")
+        if user:
+            os.environ["LD_PRELOAD"] = user
+        else:
+            os.environ.pop("LD_PRELOAD", None)
+
+
+_MI_OPTION_PURGE_DELAY = 15  # mimalloc.h's mi_option_purge_delay
+
+
+def mimalloc_purge_delay(ms: int) -> None:
+    """Set mimalloc's purge delay in this running process (-1: never return freed memory); mimalloc must be
+    loaded (benchmarks: the `tuned` variant)."""
+    ctypes.CDLL(None).mi_option_set(_MI_OPTION_PURGE_DELAY, ctypes.c_long(ms))
+
+
+def loaded_allocator() -> str | None:
+    """The size-class allocator serving this process's malloc (mimalloc, jemalloc, tcmalloc: mapped into it,
+    preloaded here or by the user), or None for glibc's."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return None
+    return next((n for n in ALLOCATORS if f"lib{n}" in maps), None)
 
 
 def huge_pages_active() -> bool:
@@ -106,6 +253,16 @@ def huge_pages_active() -> bool:
 
 def describe() -> str:
     """The CPU allocator setting in effect, for the log."""
+    name = loaded_allocator()
+    if name is not None:
+        here = _preloaded_here()
+        how = (f"preloaded (--training.cpu_allocator; {here[1]})" if here is not None and here[0] == name
+               else "preloaded by the environment's LD_PRELOAD")
+        if name == "mimalloc":
+            how += f", MIMALLOC_PURGE_DELAY={os.environ.get('MIMALLOC_PURGE_DELAY', MIMALLOC_PURGE_DELAY_MS)} ms"
+        # huge_pages_active's alignment probe cannot tell under an allocator that page-aligns large blocks itself
+        thp = os.environ.get(HUGE_PAGES_ENV) == "1" and kernel_thp_mode() in ("always", "madvise")
+        return f"{name} {how}; tensors of 2 MiB or more on transparent huge pages: {'yes' if thp else 'no'}"
     kept = ""
     if _applied:
         kept = ("; glibc keeps large freed blocks, " + _bound.describe() if _bound is not None else
@@ -206,6 +363,8 @@ class KeptHeap:
         self.steps, self.trims = 0, 0
         self.working_set = 0
         self.last_trim_freed = 0  # bytes of resident memory the last trim returned
+        self.last_shapes = None  # the shapes of the last step `before` saw
+        self.shape_trims = 0  # trims because the shapes changed
 
     @property
     def limit(self) -> float:
@@ -229,9 +388,21 @@ class KeptHeap:
         self.last_trim_freed = rss - after if after is not None else 0
         return True
 
+    def before(self, shapes) -> bool:
+        """Call before each step (and validation pass) with its shapes (any comparable value). When they differ
+        from the last call's, the kept blocks are sized for the other shapes: the coming step would fit around
+        them and grow the heap (fragmentation), so every free page goes back first and the step faults in
+        what it needs, once. The same shapes again keep everything. True if it trimmed."""
+        changed = self.last_shapes is not None and shapes != self.last_shapes
+        self.last_shapes = shapes
+        if changed:
+            self.trim()
+            self.shape_trims += 1
+        return changed
+
     def describe(self) -> str:
-        return (f"returned (malloc_trim) when a step leaves resident memory {100 * self.growth:.0f}% above the "
-                f"first {self.settle_steps} steps'")
+        return (f"returned (malloc_trim) before a step of other shapes than the last, and when a step leaves "
+                f"resident memory {100 * self.growth:.0f}% above the first {self.settle_steps} steps'")
 
 
 def keep_freed_memory_bounded(growth: float, settle_steps: int = 2) -> KeptHeap | None:
