@@ -4,7 +4,7 @@ by choice, a preloaded size-class allocator).
 A training step allocates and frees its large tensors every time (the [tokens x vocab] logits and their
 gradient, the loss's float32 chunks, activations, gradients). glibc's malloc serves every block above its
 mmap threshold (32 MiB at most, whatever mallopt is told) with a fresh mmap and unmaps it on free, so each
-one is page-faulted in again, 4 KiB at a time. Two remedies:
+one is page-faulted in again, 4 KiB at a time. The remedies:
 
 - **Huge pages (the default, `training.cpu_huge_pages`).** torch's CPU allocator, when the environment has
   THP_MEM_ALLOC_ENABLE=1 at its first CPU tensor, page-aligns every block of 2 MiB or more and asks the
