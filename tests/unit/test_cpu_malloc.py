@@ -194,7 +194,7 @@ def test_return_freed_memory_keeps_resident_memory_to_the_live_blocks():
 
 def test_entry_point_preloads_the_named_allocator_and_keeps_glibc_by_default(tmp_path):
     """`python -m torchtitan.train --training.cpu_allocator mimalloc` on a CPU machine restarts the rank once
-    with mimalloc preloaded (pip install torchtitan[cpu]; the test extra installs it), in one restart with
+    with mimalloc preloaded (pip install -e ".[cpu]"; the test extra installs it), in one restart with
     huge pages off; the log's allocator line says what serves the process's malloc, read from its memory map
     (the negative control: the default run, which must say glibc)."""
     import os

@@ -146,8 +146,8 @@ class Training:
     cpu_allocator: Literal["glibc", "mimalloc", "jemalloc", "tcmalloc"] = "glibc"
     """CPU runs: the malloc serving the process's tensors. glibc (the default): glibc's, with
     cpu_keep_freed_memory. mimalloc, jemalloc, tcmalloc: that library preloaded (the entry point restarts the
-    rank once with LD_PRELOAD, the same pid; it must be installed, pre-flight says so; mimalloc: pip install
-    torchtitan[cpu]). Measured (docs/performance.md): mimalloc's peak memory is tighter under varying shapes,
+    rank once with LD_PRELOAD, the same pid; it must be installed, pre-flight says so; mimalloc: pip install -e
+    ".[cpu]"). Measured (docs/performance.md): mimalloc's peak memory is tighter under varying shapes,
     its steps slower at the 1B slice. An allocator already in LD_PRELOAD is left alone; the log's
     `CPU allocator:` line names what runs. No effect on machines with a GPU."""
 

@@ -41,7 +41,7 @@ one is page-faulted in again, 4 KiB at a time. The remedies:
   only be preloaded before the process starts, so the entry point restarts itself once (same pid: torchrun
   keeps track) with LD_PRELOAD set (`respect_options`), unless the user preloaded an allocator already; the
   children a rank starts (tee, compile workers) get the user's LD_PRELOAD back. mimalloc (the `cmeel-mimalloc`
-  wheel, `pip install torchtitan[cpu]`) returns memory that stays free for `MIMALLOC_PURGE_DELAY` ms: tighter
+  wheel, `pip install -e ".[cpu]"`) returns memory that stays free for `MIMALLOC_PURGE_DELAY` ms: tighter
   memory than the kept heap but slower steps at the 1B slice (docs/performance.md), so it is not the default.
 
 Only the process's CPU allocations change; numerics do not. No-op where the C library is not glibc or the
