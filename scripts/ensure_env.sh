@@ -48,4 +48,3 @@ then
     # torch is already present and satisfies the requirement, so pip keeps it.
     "$PYTHON" -m pip install -q -e ".$extras"
 fi
-

@@ -95,7 +95,6 @@ def choose_at_start() -> None:
 
 ALLOCATORS = ("mimalloc", "jemalloc", "tcmalloc")  # what --training.cpu_allocator can preload, by name
 _PRELOADED_ENV = "TORCHTITAN_CPU_ALLOCATOR"  # "name=path" this entry point preloaded; "glibc=" for none
-_EXECS_ENV = "TORCHTITAN_ALLOCATOR_EXECS"  # restarts so far: one settles the options
 _USER_PRELOAD_ENV = "TORCHTITAN_USER_LD_PRELOAD"  # the user's own LD_PRELOAD, given back to the rank's children
 # mimalloc returns memory that stays free this long (ms; x10 for its arenas), its own default; measured
 # (docs/performance.md): 1,000 kept 1.21x glibc's peak, 10 and 100 1.05x, 0 faults every block in again.
@@ -175,12 +174,10 @@ def preload_environment(preload: tuple[str, str] | None, environ: dict[str, str]
 
 
 def _exec_with(preload: tuple[str, str] | None) -> None:
-    """Restart this process (the same pid, so torchrun keeps track of it) with `preload` or glibc."""
-    execs = int(os.environ.get(_EXECS_ENV, "0"))
-    if execs >= 1:  # a choice that does not settle must not restart forever
-        print(f"warning: CPU allocator: not restarting again for {preload}", file=sys.stderr)
-        return
-    env = preload_environment(preload, dict(os.environ, **{_EXECS_ENV: str(execs + 1)}))
+    """Restart this process (the same pid, so torchrun keeps track of it) with `preload` or glibc. The restarted
+    process finds its choice marked and the huge-pages marker gone, so `respect_options` does not restart it
+    again."""
+    env = preload_environment(preload, dict(os.environ))
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
