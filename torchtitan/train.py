@@ -3,6 +3,7 @@
 Launch with `./run_train.sh` (torchrun). The trainer itself lives in `torchtitan/trainer.py`.
 """
 
+import gc
 import os
 import sys
 
@@ -12,9 +13,8 @@ if __name__ == "__main__":  # before torch's first CPU tensor (importing torch.d
     rank_stderr.enable_early()  # a fatal signal prints every thread's stack from here on
     cpu_malloc.choose_at_start()
 
-import torch.distributed as dist  # noqa: E402
-
 from torchtitan.config import ConfigError  # noqa: E402
+from torchtitan.distributed import utils as dist_utils  # noqa: E402
 from torchtitan.protocols.train_spec import config_manager  # noqa: E402
 from torchtitan.errors import USER_ERRORS  # noqa: E402
 from torchtitan.planning.memory_budget import resolve_budget  # noqa: E402
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
         # same pid. Before the tee below, which a restart would start twice.
         cpu_malloc.respect_options(cfg.training.cpu_huge_pages, cfg.training.cpu_allocator)
         rank_stderr.capture(cfg.job.dump_folder, int(os.environ.get("RANK", "0")))
-    trainer = None
+    trainer, preempted_at = None, None
     try:
         # A memory budget becomes per-block choices here, before the trainer builds anything.
         cfg, budget = resolve_budget(cfg, int(os.environ.get("WORLD_SIZE", "1")))
@@ -69,10 +69,15 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     finally:
         if trainer is not None:
             trainer.close()
-        elif dist.is_initialized():
-            dist.destroy_process_group()
-    if trainer.preempted:
-        record_failure(f"preempted (SIGTERM) after step {trainer.train_state.step}, its checkpoint saved")
+            preempted_at = trainer.train_state.step if trainer.preempted else None
+        else:
+            dist_utils.end_distributed()
+        # The trainer's meshes hold the process groups: dropped here, their threads (gloo's) end before this
+        # function returns instead of running through the interpreter's exit (distributed/utils.end_distributed).
+        trainer = None
+        gc.collect()
+    if preempted_at is not None:
+        record_failure(f"preempted (SIGTERM) after step {preempted_at}, its checkpoint saved")
         return PREEMPTED_EXIT
     return 0
 

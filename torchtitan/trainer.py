@@ -510,8 +510,7 @@ class Trainer:
         if self.kept_heap is not None:  # a process that goes on (tests, notebooks) does not keep this run's heap
             cpu_malloc.restore_initial()
             self.kept_heap = None
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        dist_utils.end_distributed()  # the groups' threads end once this trainer is dropped (train.main does)
         if self.cfg.compile.enable:
             # Dynamo keeps this run's graphs keyed on nn.Module's shared call code; a later trainer in the same
             # process (tests, notebooks) would add its own and reach the recompile limit, fatal under fullgraph.

@@ -1,5 +1,6 @@
-"""Process-group start-up, seeding and the global gradient norm."""
+"""Process-group start-up and end, seeding and the global gradient norm."""
 
+import gc
 import math
 import os
 from datetime import timedelta
@@ -27,6 +28,48 @@ def init_distributed(comm: Comm) -> tuple[torch.device, int, int]:
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=comm.init_timeout_seconds))
     return device, rank, world_size
+
+
+def end_distributed() -> None:
+    """Destroys the process groups and lets go of torch's caches that keep them, so that a gloo group's threads
+    (its transport loop and two workers) end once the objects that use its meshes are gone, not at exit.
+
+    torch's DTensor caches the meshes it planned or propagated for (MeshTopoInfo.build_from_mesh, the
+    redistribute planner and transform caches, the sharding propagation caches), and a mesh holds its process
+    groups: after destroy_process_group those groups' threads ran on through the interpreter's shutdown and the
+    C++ static destructors, handling the peer's sockets closing while the process came apart (issue 31); a
+    process that goes on (tests, notebooks) kept every run's sockets and threads.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for clear in _TORCH_MESH_CACHES:
+        try:
+            clear()
+        except (ImportError, AttributeError):  # private torch API: another torch version may lack one
+            pass
+    gc.collect()
+
+
+def _clear_topology_cache() -> None:
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+
+    MeshTopoInfo.build_from_mesh.cache_clear()
+
+
+def _clear_redistribute_caches() -> None:
+    from torch.distributed.tensor import _redistribute
+
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+
+
+def _clear_sharding_caches() -> None:
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+
+
+_TORCH_MESH_CACHES = (_clear_topology_cache, _clear_redistribute_caches, _clear_sharding_caches)
 
 
 def set_pg_timeout(seconds: int) -> None:
