@@ -4,6 +4,7 @@
 
     python scripts/diagnostics/cp_abort_loop.py --runs 50                # the issue's command, 50 times
     python scripts/diagnostics/cp_abort_loop.py --runs 5 -- --training.steps 2 --parallelism.context_parallel_degree 2
+    python scripts/diagnostics/cp_abort_loop.py --runs 10 --starve-gloo-workers   # the loaded machine, exaggerated
 
 Every rank's output is kept (LOG_RANK=all ranks) with Python's faulthandler on (a fatal signal prints every
 thread's Python stack) and TORCH_SHOW_CPP_STACKTRACES=1 (C++ frames in torch's errors); the log of a run that
@@ -11,6 +12,13 @@ failed is kept under --out and its signal lines and stacks are printed; its dump
 stderr in ranks/rank-N.stderr (tools/rank_stderr.py), whichever rank died. On CUDA, --comm.trace_buf_size turns
 on NCCL's flight recorder as well (gloo has none). Prints one line per run and a summary:
 `runs N, ok K, aborted (SIGABRT) A, other failures F`.
+
+--starve-gloo-workers reproduces what a loaded machine does to the ranks, deterministically enough to count:
+busy processes take every core, and gloo's worker threads (`pt_gloo_runloop`) of every rank are put on
+SCHED_IDLE, so they run only when a core is free. A worker that completed a collective is then late to drop its
+reference to the collective's tensors; if a rank's process group is still alive when the interpreter exits
+(it was, before distributed/utils.end_distributed), that drop lands while Python finalizes and the thread dies
+in std::terminate: `terminate called without an active exception`, SIGABRT (see docs/context_parallel.md).
 """
 
 import argparse
@@ -18,11 +26,29 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 ISSUE_ARGS = ["--parallelism.context_parallel_degree", "2", "--training.steps", "3", "--training.seq_len", "128",
               "--training.local_batch_size", "4"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _starve_gloo_workers(stop: threading.Event) -> None:
+    """Puts every training rank's gloo worker threads on SCHED_IDLE as soon as they appear."""
+    done: set[int] = set()
+    while not stop.wait(0.02):
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if b"torchtitan.train" not in open(f"/proc/{pid}/cmdline", "rb").read():
+                    continue
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    if int(tid) in done or open(f"/proc/{pid}/task/{tid}/comm").read().strip() != "pt_gloo_runloop":
+                        continue
+                    os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+                    done.add(int(tid))
+            except OSError:  # the process or thread ended while looking
+                pass
 
 
 def main() -> int:
@@ -31,6 +57,8 @@ def main() -> int:
     parser.add_argument("--ngpu", type=int, default=2)
     parser.add_argument("--out", default="/tmp/cp_abort_loop", help="folder for the logs of failed runs")
     parser.add_argument("--timeout", type=float, default=600, help="seconds before one run counts as hung")
+    parser.add_argument("--starve-gloo-workers", action="store_true",
+                        help="busy processes on every core and the ranks' gloo worker threads on SCHED_IDLE")
     parser.add_argument("args", nargs="*", help="trainer arguments (default: the issue's CP 2 command)")
     opts = parser.parse_args()
     os.makedirs(opts.out, exist_ok=True)
@@ -39,6 +67,19 @@ def main() -> int:
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     args = opts.args or ISSUE_ARGS
     counts = {"ok": 0, "aborted": 0, "other": 0}
+    stop, busy = threading.Event(), []
+    if opts.starve_gloo_workers:
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+        threading.Thread(target=_starve_gloo_workers, args=(stop,), daemon=True).start()
+    try:
+        return _loop(opts, env, args, counts)
+    finally:
+        stop.set()
+        for b in busy:
+            b.kill()
+
+
+def _loop(opts, env: dict, args: list[str], counts: dict) -> int:
     for i in range(opts.runs):
         t0 = time.time()
         dump = os.path.join(opts.out, f"run-{i}")
