@@ -1,8 +1,9 @@
 """A rank's process groups end with its run (issue 31): once `torchtitan.train.main` returns, no gloo thread is left.
 
 torch's DTensor caches keep every DeviceMesh they planned for, and a mesh keeps its process groups, so after
-destroy_process_group a gloo group's transport loop and workers ran on through the interpreter's exit (and, in a
-process that goes on, one set per run). distributed/utils.end_distributed lets go of those caches.
+destroy_process_group a gloo group's transport loop and workers ran on through the interpreter's exit, where a
+worker's late release of a tensor aborts the rank (scripts/diagnostics/gloo_exit_probe.py), and, in a process
+that goes on, one set stayed per run. distributed/utils.end_distributed lets go of those caches.
 """
 
 import os

@@ -36,9 +36,11 @@ def end_distributed() -> None:
 
     torch's DTensor caches the meshes it planned or propagated for (MeshTopoInfo.build_from_mesh, the
     redistribute planner and transform caches, the sharding propagation caches), and a mesh holds its process
-    groups: after destroy_process_group those groups' threads ran on through the interpreter's shutdown and the
-    C++ static destructors, handling the peer's sockets closing while the process came apart (issue 31); a
-    process that goes on (tests, notebooks) kept every run's sockets and threads.
+    groups: after destroy_process_group those groups' threads ran on through the interpreter's shutdown. A gloo
+    worker that released a collective's tensor then had to take the GIL while Python finalized, and Python ended
+    it with pthread_exit through torch's noexcept destructor: std::terminate, SIGABRT (issue 31; reproduced by
+    scripts/diagnostics/gloo_exit_probe.py). A process that goes on (tests, notebooks) also kept every run's
+    sockets and threads.
     """
     if dist.is_initialized():
         dist.destroy_process_group()
