@@ -36,17 +36,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _starve_gloo_workers(stop: threading.Event) -> None:
     """Puts every training rank's gloo worker threads on SCHED_IDLE as soon as they appear."""
+    from gloo_exit_probe import starve, thread_ids  # this script's folder is on sys.path
+
     done: set[int] = set()
     while not stop.wait(0.02):
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 if b"torchtitan.train" not in open(f"/proc/{pid}/cmdline", "rb").read():
                     continue
-                for tid in os.listdir(f"/proc/{pid}/task"):
-                    if int(tid) in done or open(f"/proc/{pid}/task/{tid}/comm").read().strip() != "pt_gloo_runloop":
-                        continue
-                    os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
-                    done.add(int(tid))
+                for tid in set(thread_ids(int(pid), "pt_gloo_runloop")) - done:
+                    starve(tid)
+                    done.add(tid)
             except OSError:  # the process or thread ended while looking
                 pass
 
@@ -69,7 +69,9 @@ def main() -> int:
     counts = {"ok": 0, "aborted": 0, "other": 0}
     stop, busy = threading.Event(), []
     if opts.starve_gloo_workers:
-        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+        from gloo_exit_probe import busy_processes
+
+        busy = busy_processes(os.cpu_count() or 2)
         threading.Thread(target=_starve_gloo_workers, args=(stop,), daemon=True).start()
     try:
         return _loop(opts, env, args, counts)

@@ -30,8 +30,9 @@ import sys
 WAYS = ["group_alive", "group_ended"]
 
 
-def _thread_ids(name: str) -> list[int]:
-    task = f"/proc/{os.getpid()}/task"
+def thread_ids(pid: int, name: str) -> list[int]:
+    """Ids of process `pid`'s threads called `name` (their comm)."""
+    task = f"/proc/{pid}/task"
     ids = []
     for tid in os.listdir(task):
         try:
@@ -43,6 +44,16 @@ def _thread_ids(name: str) -> list[int]:
     return ids
 
 
+def starve(tid: int) -> None:
+    """Thread `tid` runs only when a core is free (SCHED_IDLE)."""
+    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+
+
+def busy_processes(n: int) -> list[subprocess.Popen]:
+    """`n` processes spinning on a core each (kill them when done)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
 def rank_main(rank: int, port: int, way: str) -> None:
     from datetime import timedelta
 
@@ -52,8 +63,8 @@ def rank_main(rank: int, port: int, way: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=120))
     dist.all_reduce(torch.ones(4))  # the group's worker threads exist from here
-    for tid in _thread_ids("pt_gloo_runloop"):
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    for tid in thread_ids(os.getpid(), "pt_gloo_runloop"):
+        starve(tid)
     for _ in range(3):
         x = torch.ones(1024)
         dist.all_reduce(x)
@@ -93,7 +104,7 @@ def main() -> int:
     parser.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated, of {WAYS}")
     parser.add_argument("--busy", type=int, default=(os.cpu_count() or 2) + 1, help="busy processes")
     opts = parser.parse_args()
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(opts.busy)]
+    busy = busy_processes(opts.busy)
     try:
         for way in opts.ways.split(","):
             codes = run(way, opts.runs)

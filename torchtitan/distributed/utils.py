@@ -1,6 +1,5 @@
 """Process-group start-up and end, seeding and the global gradient norm."""
 
-import gc
 import math
 import os
 from datetime import timedelta
@@ -32,7 +31,8 @@ def init_distributed(comm: Comm) -> tuple[torch.device, int, int]:
 
 def end_distributed() -> None:
     """Destroys the process groups and lets go of torch's caches that keep them, so that a gloo group's threads
-    (its transport loop and two workers) end once the objects that use its meshes are gone, not at exit.
+    (its transport loop and two workers) end once the objects that use its meshes are gone and collected (the
+    caller drops them: train.main drops the trainer after its close), not at exit.
 
     torch's DTensor caches the meshes it planned or propagated for (MeshTopoInfo.build_from_mesh, the
     redistribute planner and transform caches, the sharding propagation caches), and a mesh holds its process
@@ -49,7 +49,6 @@ def end_distributed() -> None:
             clear()
         except (ImportError, AttributeError):  # private torch API: another torch version may lack one
             pass
-    gc.collect()
 
 
 def _clear_topology_cache() -> None:
