@@ -1,0 +1,63 @@
+"""Suite-wide hooks.
+
+`TT_TOLERANCE_LOG=path.jsonl` records every `torch.testing.assert_close` the suite makes: the test, the
+tolerance it asked for and the largest relative and absolute differences it saw (passing or not). Run the
+suite once per kernel set (default, and with the AVX2 caps of docs/performance.md) and
+`python scripts/diagnostics/tolerance_margins.py LOG...` lists the comparisons whose observed difference comes
+closest to their tolerance: how the tolerances in tests/tolerances.py were checked on each CPU kind.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+_LOG = os.environ.get("TT_TOLERANCE_LOG")
+
+
+# torch.testing.assert_close's defaults when a test gives no tolerance (its documented table).
+_DEFAULTS = {torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float32: (1.3e-6, 1e-5),
+             torch.float64: (1e-7, 1e-7)}
+
+
+def _differences(actual, expected, rtol, atol) -> dict | None:
+    """Largest relative and absolute difference, and `usage`: max |a - e| / (atol + rtol |e|), which fails the
+    comparison above 1."""
+    try:
+        a, e = torch.as_tensor(actual).detach(), torch.as_tensor(expected).detach()
+        if a.shape != e.shape or a.numel() == 0 or not a.is_floating_point():
+            return None
+        if rtol is None or atol is None:
+            rtol, atol = _DEFAULTS.get(a.dtype, (0.0, 0.0))
+        a, e = a.double().cpu(), e.double().cpu()
+        diff = (a - e).abs()
+        finite = torch.isfinite(diff)
+        if not finite.any():
+            return None
+        diff, e = diff[finite], e[finite]
+        nonzero = e != 0
+        rel = float((diff[nonzero] / e[nonzero].abs()).max()) if nonzero.any() else 0.0
+        bound = atol + rtol * e.abs()
+        usage = float((diff / bound).max()) if bool((bound > 0).all()) else float("inf") if diff.max() > 0 else 0.0
+        return {"rtol": rtol, "atol": atol, "rel": rel, "abs": float(diff.max()), "usage": usage}
+    except (TypeError, ValueError, RuntimeError):
+        return None  # nested containers and non-numeric inputs: not recorded
+
+
+@pytest.fixture(autouse=True)
+def _record_tolerances(request, monkeypatch):
+    if not _LOG:
+        yield
+        return
+    original = torch.testing.assert_close
+
+    def recording(actual, expected, *args, **kwargs):
+        found = _differences(actual, expected, kwargs.get("rtol"), kwargs.get("atol"))
+        if found is not None:
+            with open(_LOG, "a") as f:
+                f.write(json.dumps({"test": request.node.nodeid, **found}) + "\n")
+        return original(actual, expected, *args, **kwargs)
+
+    monkeypatch.setattr(torch.testing, "assert_close", recording)
+    yield
