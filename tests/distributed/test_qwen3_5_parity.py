@@ -1,6 +1,6 @@
 """Qwen3.5 (a linear-attention layer, then a gated full-attention layer) trains the same curve under every
 layout as on one process: the parity harness of test_qwen3_parity.py (same tiny fp32 recipe, seed and global
-batches of 8 x 64 tokens, losses rtol 1e-5, grad norms 5e-5).
+batches of 8 x 64 tokens, tests/tolerances.py's curve tolerances).
 
 FSDP 2, TP 2 (DeltaNet heads split: projections column-wise, conv channels and A_log/dt_bias sharded alike,
 out_proj row-wise), PP 2, CP 2 and TP 2 x CP 2 against the plain reference; CP 4 with document masking (the
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from tests.distributed.trainer_runs import DOCUMENT_MASKING, curves, train
+from tests.tolerances import assert_curves_close
 
 pytestmark = pytest.mark.distributed
 
-LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 5e-5
 STEPS = 4
 DENSE = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_tiny", "--training.steps", str(STEPS)]
 MOE = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_tiny_moe", "--training.steps", str(STEPS),
@@ -48,11 +48,6 @@ def references(tmp_path_factory):
     return refs
 
 
-def _parity(got, ref) -> None:
-    torch.testing.assert_close(got[0], ref[0], rtol=LOSS_RTOL, atol=0)
-    torch.testing.assert_close(got[1], ref[1], rtol=GRAD_NORM_RTOL, atol=0)
-
-
 def test_references_learn(references):
     for name, (loss, _) in references.items():
         assert loss[-1] < loss[0] - 0.3, f"the tiny {name} model should learn in {STEPS} steps: {loss.tolist()}"
@@ -64,7 +59,7 @@ def test_references_learn(references):
 def test_layout_matches_single_process(layout, references, tmp_path):
     ref, world, argv = LAYOUTS[layout]
     steps, _ = train(world, argv, str(tmp_path))
-    _parity(curves(steps), references[ref])
+    assert_curves_close(curves(steps), references[ref])
 
 
 def _no_state_passing(rank, world_size):
@@ -79,4 +74,4 @@ def _no_state_passing(rank, world_size):
 def test_cp_without_state_passing_fails(references, tmp_path):
     steps, _ = train(2, LAYOUTS["cp2"][2], str(tmp_path), setup=_no_state_passing)
     with pytest.raises(AssertionError):
-        _parity(curves(steps), references["dense"])
+        assert_curves_close(curves(steps), references["dense"])

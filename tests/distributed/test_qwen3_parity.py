@@ -1,7 +1,7 @@
 """Qwen3 layouts change memory and speed, never the numbers: the Llama 3 parity harness on a second model.
 
 The same tiny fp32 recipe as test_parity_2d.py (same seed, same global batches of 8 x 64 tokens), 6 steps,
-and the same tolerances (relative: loss 1e-5, grad norm 5e-5; see that file for why). The tied flavor (like
+and the same tolerances (tests/tolerances.py). The tied flavor (like
 Qwen3 0.6B-4B) runs FSDP, TP, TP x FSDP, CP and the 3D FSDP x TP x CP layout, so the shared embedding/output
 matrix is exercised under every sharding that touches it; pipeline parallel refuses tied flavors, so PP runs
 the untied one (like 8B and up) against its own single-process reference. Then the rest of the plan under
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tests.distributed.trainer_runs import curves, train
+from tests.tolerances import assert_curves_close as assert_parity
 
 pytestmark = pytest.mark.distributed
 
-LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 5e-5
 STEPS = 6
 QWEN3 = ["--model.name", "qwen3", "--training.steps", str(STEPS)]
 TIED = QWEN3 + ["--model.flavor", "debugmodel_tiny"]
@@ -50,12 +50,6 @@ def _reference_of(flavor, references):
     return references["tied" if flavor is TIED else "untied"]
 
 
-def assert_parity(got, ref):
-    loss, gnorm = got
-    ref_loss, ref_gnorm = ref
-    assert loss.shape == ref_loss.shape
-    torch.testing.assert_close(loss, ref_loss, rtol=LOSS_RTOL, atol=0)
-    torch.testing.assert_close(gnorm, ref_gnorm, rtol=GRAD_NORM_RTOL, atol=0)
 
 
 def test_references_learn(references):

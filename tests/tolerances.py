@@ -1,0 +1,54 @@
+"""The suite's shared numerical tolerances, each with where it comes from.
+
+Two sources only, as the suite's rule says: the dtype's unit roundoff and the length of the reductions whose
+order a layout changes, or the spread of the same comparison across the kernel sets a CPU can pick (AVX-512 with
+native bf16, AVX2 only; ATen, oneDNN and MKL each dispatch per kernel set and sum in another order). The spread
+is measured with `TT_TOLERANCE_LOG` (tests/conftest.py) and `scripts/diagnostics/tolerance_margins.py`, once
+with the default kernels and once under the AVX2 caps (`ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+MKL_ENABLE_INSTRUCTIONS=AVX2`); docs/performance.md names the runs.
+"""
+
+import torch
+
+# Unit roundoff of float32: each rounded operation is off by at most this, relatively.
+FP32_U = torch.finfo(torch.float32).eps / 2  # 5.96e-8
+
+
+def reordered_sum_rtol(n: int, condition: float = 1.0, u: float = FP32_U) -> float:
+    """Relative difference two summation orders of n terms can show, as a tolerance.
+
+    Rounding errors of a sum behave as a random walk (Higham, Accuracy and Stability, §4.2): one order is off
+    by ~u sqrt(n) of sum |x| (1 sigma), so two orders differ by ~u sqrt(2n); 6 sigma of that keeps a false
+    failure below 1e-8 per comparison. `condition` is sum |x| / |sum x|: a sum of terms that cancel (a gradient
+    over tokens that pull both ways) moves relatively more than a sum of positive terms (a loss)."""
+    return 6 * u * (2 * n) ** 0.5 * condition
+
+
+# Training curves of the parity tests (float32, tiny flavors, 4-10 steps, 8 sequences x 64 tokens a step):
+# per-step loss and pre-clipping grad norm of a layout against one process on the same seed and batches.
+TOKENS_PER_STEP = 8 * 64
+
+# Loss: a mean over the step's tokens of positive terms (condition 1). Layouts reorder that sum (DP, CP, PP's
+# microbatches); each term's own rounding (its logits' contractions, the softmax over the vocabulary, which TP
+# and loss parallel reorder) is independent per token and averages out in the mean. 6 sigma of the token sum's
+# reordering: 1.1e-5. Measured spread, both kernel sets, every parity test: < 1e-6 over 10 steps. A real bug (a
+# missing gradient sync, a 1/N factor, a wrong batch slice) moves the loss by >= 1e-3.
+LOSS_RTOL = reordered_sum_rtol(TOKENS_PER_STEP)
+
+# Grad norm: a gradient entry sums per-token terms of either sign, which cancel down to ~sqrt(tokens) of their
+# absolute sum (condition sqrt(tokens) ~ 23): 6 sigma of that sum's reordering is 2.6e-4. The norm over many
+# entries averages those errors, and Adam carries a step's difference into the later steps' weights; measured
+# spread (largest relative difference of any layout at any step): 1.6e-5 without document masking, 5.72e-5 and
+# 5.79e-5 with it (pipeline schedules, PP 2 x TP 2) on a Zen 3 (AVX2) and a Zen 4 (AVX-512), 4.5x below. A real
+# bug moves the grad norm by >= 1e-2 (the pipeline's second division by the microbatch count: 50%).
+GRAD_NORM_RTOL = reordered_sum_rtol(TOKENS_PER_STEP, condition=TOKENS_PER_STEP**0.5)
+
+
+def assert_curves_close(got, ref, loss_rtol: float = LOSS_RTOL, grad_norm_rtol: float = GRAD_NORM_RTOL) -> None:
+    """Per-step (loss, grad norm) curves equal within the tolerances above (no absolute slack: a curve's
+    values are O(1) and never near zero)."""
+    loss, gnorm = got
+    ref_loss, ref_gnorm = ref
+    assert loss.shape == ref_loss.shape, (loss.shape, ref_loss.shape)
+    torch.testing.assert_close(loss, ref_loss, rtol=loss_rtol, atol=0)
+    torch.testing.assert_close(gnorm, ref_gnorm, rtol=grad_norm_rtol, atol=0)
