@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer step")
     ap.add_argument("--vocab-size", type=int, default=None, help="default: the flavor's")
     ap.add_argument("--top", type=int, default=3)
-    ap.add_argument("--mfu", type=float, default=None, help="fraction of peak the matmuls reach (default 0.5)")
+    ap.add_argument("--mfu", type=float, default=None, help="fraction of the bf16 peak large matmuls reach (default: the device's measured GEMM efficiency, planning/hardware.py)")
     ap.add_argument("--parallelisms", default=None,
                     help="use exactly these model-parallel dimensions, comma-separated from tp,pp,cp (data parallel "
                          "over the rest); 'none' = data parallel only; default: any")
@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result = plan_layouts(shape, device, a.devices, a.seq_len, a.global_batch_size,
-                          a.mfu or DEFAULT_MFU, features=features, model_parallel=model_parallel,
+                          a.mfu, features=features, model_parallel=model_parallel,
                           memory_headroom=a.memory_headroom, budget_bytes=a.memory_budget_gib * 2**30,
                           offload_bandwidth=(a.offload_bandwidth_gbps or OFFLOAD_BANDWIDTH_CUDA) * 1e9)
     dropped = ", ".join(f"{n} {why}" for why, n in result.dropped.items())
