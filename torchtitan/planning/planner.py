@@ -88,7 +88,9 @@ class Features:
 
     @property
     def compiled(self) -> bool:
-        return self.compile or self.float8 or self.async_tp
+        """Whether the model runs compiled: asked for, or implied by Float8 (async TP implies it only with TP,
+        and evaluate adds it there)."""
+        return self.compile or self.float8
 
     def __post_init__(self):
         if self.float8_all_gather and not self.float8:
@@ -103,7 +105,7 @@ class Features:
             if self.float8_all_gather:
                 sections.append("[float8]\nenable_fsdp_float8_all_gather = true\n"
                                 "precompute_float8_dynamic_scale_for_fsdp = true")
-        if self.compiled:
+        if self.compiled or (self.async_tp and tp > 1):
             sections.append('[compile]\nenable = true\ncomponents = ["model", "loss"]')
         return "\n\n".join(sections)
 
@@ -246,9 +248,6 @@ def _ac_factor(ac: str) -> float:
     return 1.0 if ac == BUDGET_AC else 1 + ac_recompute(ac) / 3
 
 
-MEMORY_AC = {"op_half_matmuls": "op"}
-"""AC modes of published runs (step_time.AC_RECOMPUTE) the memory estimator knows under another name."""
-
 
 def block_runs(choices: tuple[str, ...]) -> str:
     """("full", "full", "op") -> "0-1 full, 2 op"."""
@@ -291,8 +290,10 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
     L = layout
     if mfu is not None:
         device = dataclasses.replace(device, gemm_eff=mfu)
-    ac = "none" if L.ac == BUDGET_AC else MEMORY_AC.get(L.ac, L.ac)
-    time_ac = "none" if L.ac == BUDGET_AC else L.ac  # a budget's plan sets the blocks' bytes itself (_budget_plan)
+    ac = "none" if L.ac == BUDGET_AC else L.ac
+    time_ac = "none" if L.ac == BUDGET_AC else L.ac
+    if features.async_tp and L.tp > 1:  # async TP is done by the compiler: the recipe turns compile on
+        features = dataclasses.replace(features, compile=True)  # a budget's plan sets the blocks' bytes itself (_budget_plan)
     pd = ParallelDims(L.dp_replicate, L.dp_shard, L.cp, L.tp, L.pp, devices)
     head_dim = (shape.q_dim or shape.dim) // shape.n_heads
     pd.check_model({"tp": {"n_heads": shape.n_heads, "n_kv_heads": shape.kv_dim // head_dim,
