@@ -57,8 +57,9 @@ def pairs_table() -> list[str]:
     for a, b, what in single_choice_pairs():
         pub = b.tokens_per_s / a.tokens_per_s
         pred = b.predict().tokens_per_s_per_device / a.predict().tokens_per_s_per_device
-        verdict = "same order" if (pub - 1) * (pred - 1) > 0 else f"tie (< {100 * TIE:.0f}%)" \
-            if abs(pred - 1) < TIE else "WRONG ORDER"
+        same = (pub - 1) * (pred - 1) > 0
+        verdict = (f"tie (within {100 * TIE:.0f}%)" if abs(pred - 1) < TIE else "same order" if same
+                   else "WRONG ORDER")
         rows.append(f"| {what} | {a.name} -> {b.name} | x{pub:.3f} | x{pred:.3f} | {verdict} |")
     return rows
 

@@ -23,8 +23,9 @@ class Device:
     inter_node_bw: float
     """Bytes/s per GPU per direction between nodes (its NIC share)."""
     gpus_per_node: int = 8
-    hbm_bw: float = 0.0
-    """Bytes/s of device memory (HBM): what element-wise kernels, casts and the optimizer step move at."""
+    hbm_bw: float = 2e12
+    """Bytes/s of device memory (HBM): what element-wise kernels, casts and the optimizer step move at (a device
+    entered without it: an HBM2e-class 2 TB/s)."""
     fp8_flops: float = 0.0
     """Dense float8 matmul peak, FLOP/s (0 = no float8 tensor cores: Float8 linears run at the bf16 rate)."""
     gemm_eff: float = 0.8
