@@ -421,10 +421,10 @@ def single_choice_pairs(runs=CORPUS) -> list[tuple[PublishedRun, PublishedRun, s
     return pairs
 
 
-HELD_OUT_RATIO_RANGE = (0.93, 1.18)
+HELD_OUT_RATIO_RANGE = (0.92, 1.16)
 """Predicted / published tokens/s over HELD_OUT, rounded outward to 0.01 (tests/unit/test_planner.py checks it
-against the corpus): a prediction P stands for a published figure in [P / 1.18, P / 0.93]."""
-HELD_OUT_MEDIAN_ERROR = 0.045
+against the corpus): a prediction P stands for a published figure in [P / 1.16, P / 0.92]."""
+HELD_OUT_MEDIAN_ERROR = 0.05
 """Median |predicted / published - 1| over HELD_OUT, rounded up (checked by the same test)."""
 
 

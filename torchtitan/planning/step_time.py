@@ -1,5 +1,7 @@
-"""Step-time model of a layout: matmul FLOPs at a stated fraction of the device's peak, plus the
-communication each feature adds, minus what overlaps with compute.
+"""Step-time model of a layout: each kind of kernel at the rate a datasheet or microbenchmark gives for its
+shape, plus the communication each feature adds, minus what overlaps with compute. Three constants are
+fitted (TRAINING_KERNEL_EFF, CP_RING_STEP_OVERHEAD here, hardware.H100_500W_CLOCK_FRACTION), each on a named
+part of the training half of the published corpus only (planning/published.py fit_constants).
 
 Rules (per rank, one optimizer step):
   compute   per kernel kind, for the busiest pipeline rank's modules and its tokens (block_seconds):
@@ -101,7 +103,7 @@ A microbenchmark-style figure (torch's async-TP posts report 10-30% of TP commun
 at 70B scale), not fitted."""
 
 
-TRAINING_KERNEL_EFF = 0.86
+TRAINING_KERNEL_EFF = 0.85
 """Fraction of the microbenchmark rates (Device.gemm_eff, attn_eff) that matmuls and attention keep inside a
 training step: caches cold after other kernels, backward's transposed GEMMs, streams shared with collectives.
 FITTED (published.fit_constants) on the full-power devices' runs of published.TRAINING without CP."""
@@ -132,10 +134,13 @@ class BlockShape:
         return ((d, q), (d, kv), (d, kv), (q, d), (d, h), (d, h), (h, d))
 
 
-AC_RECOMPUTE = {"none": 0.0, "op": 0.0, "op_half_matmuls": 0.5, "full": 1.0}
+AC_RECOMPUTE = {"none": 0.0, "op": 0.0, "op_half_matmuls": 3 / 7, "full": 1.0}
 """Share of a block's forward matmuls recomputed in backward. This repository's "op" saves every matmul;
-torchtitan's upstream "op" policy (2024-25) recomputes every other mm ("op_half_matmuls"); "k" (every k-th
-block under full AC) recomputes 1/k."""
+torchtitan's upstream "op" policy (2024-25) recomputes every second mm of a block's forward, counted in call
+order ("op_half_matmuls": wk, wo and w3 of wq wk wv wo w1 w3 w2; block_seconds prices those three); "k"
+(every k-th block under full AC) recomputes 1/k."""
+HALF_MATMULS_RECOMPUTED = (1, 3, 5)
+"""Which of BlockShape.linears() torchtitan's op policy recomputes (the 2nd, 4th and 6th mm)."""
 
 
 def ac_recompute(ac: str) -> float:
@@ -154,9 +159,10 @@ def block_seconds(device: Device, b: BlockShape, tokens: float, seq_len: int, tp
     out: dict[str, float] = {"matmul": 0.0, "float8 casts": 0.0}
     fp8 = float8 and device.fp8_flops > 0
     hbm = device.hbm_bw * HBM_EFF
-    for k_in, n_out in b.linears():
+    for i, (k_in, n_out) in enumerate(b.linears()):
         k, n = (k_in, n_out // tp) if n_out != b.dim else (k_in // tp, n_out)  # column- / row-wise sharded
-        flops = 2 * m * k * n * (3 + rec)
+        linear_rec = float(i in HALF_MATMULS_RECOMPUTED) if ac == "op_half_matmuls" else rec
+        flops = 2 * m * k * n * (3 + linear_rec)
         eff = gemm_efficiency(device, m, k, n)
         if fp8:
             out["matmul"] += flops / (device.fp8_flops * eff * FP8_GEMM_RATIO)
