@@ -1,7 +1,7 @@
 """Layout planner: which parallel layout, AC mode and batch split to train a model with on N devices.
 
     python -m torchtitan.plan --model llama3 --flavor 8B --devices 8 --device-type H100-80GB \
-        --seq-len 8192 --global-batch-size 16 [--top 3] [--mfu 0.5] [--memory-headroom 0.1] [--float8 [--float8-all-gather]] [--async-tp]
+        --seq-len 8192 --global-batch-size 16 [--top 3] [--mfu 0.5] [--memory-headroom 0.1] [--float8 [--float8-all-gather]] [--async-tp] [--compile]
         [--memory-budget-gib 40 [--offload-bandwidth-gbps 20]]
 
 Prints the fastest layouts that fit, each with its predicted throughput, where the time goes, its peak
@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer step")
     ap.add_argument("--vocab-size", type=int, default=None, help="default: the flavor's")
     ap.add_argument("--top", type=int, default=3)
-    ap.add_argument("--mfu", type=float, default=None, help="fraction of peak the matmuls reach (default 0.5)")
+    ap.add_argument("--mfu", type=float, default=None, help="fraction of the bf16 peak large matmuls reach (default: the device's measured GEMM efficiency, planning/hardware.py)")
     ap.add_argument("--parallelisms", default=None,
                     help="use exactly these model-parallel dimensions, comma-separated from tp,pp,cp (data parallel "
                          "over the rest); 'none' = data parallel only; default: any")
@@ -43,6 +43,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--float8", action="store_true", help="train with tensorwise Float8 linears")
     ap.add_argument("--float8-all-gather", action="store_true", help="FSDP all-gathers Float8 weights in float8")
     ap.add_argument("--async-tp", action="store_true", help="train with async tensor parallel (needs compile)")
+    ap.add_argument("--compile", action="store_true",
+                    help="train with torch.compile (--float8 and --async-tp imply it: their recipes turn it on)")
     a = ap.parse_args(argv)
     if not a.flavor and not a.hf_config:
         ap.error("give --flavor or --hf-config")
@@ -54,7 +56,7 @@ def main(argv: list[str]) -> int:
     from torchtitan.planning.memory import ModelShape
     from torchtitan.planning.memory_budget import OFFLOAD_BANDWIDTH_CUDA
     from torchtitan.planning.planner import Features, explain, parse_model_parallel, plan_layouts
-    from torchtitan.planning.step_time import DEFAULT_MFU
+    from torchtitan.planning.published import HELD_OUT_MEDIAN_ERROR, HELD_OUT_RATIO_RANGE, interval, published_here
     from torchtitan.protocols.model_shape import model_args_for
     from torchtitan.protocols.train_spec import get_train_spec
 
@@ -72,7 +74,8 @@ def main(argv: list[str]) -> int:
         if a.devices < 1 or a.seq_len < 1 or a.global_batch_size < 1:
             raise ValueError("--devices, --seq-len and --global-batch-size must be positive")
         model_parallel = parse_model_parallel(a.parallelisms)
-        features = Features(float8=a.float8, float8_all_gather=a.float8_all_gather, async_tp=a.async_tp)
+        features = Features(float8=a.float8, float8_all_gather=a.float8_all_gather, async_tp=a.async_tp,
+                            compile=a.compile)
         limit = memory_limit(device, a.memory_headroom)
         if a.memory_budget_gib < 0:
             raise ValueError(f"--memory-budget-gib {a.memory_budget_gib:g} must be 0 (no budget) or a positive "
@@ -84,7 +87,7 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result = plan_layouts(shape, device, a.devices, a.seq_len, a.global_batch_size,
-                          a.mfu or DEFAULT_MFU, features=features, model_parallel=model_parallel,
+                          a.mfu, features=features, model_parallel=model_parallel,
                           memory_headroom=a.memory_headroom, budget_bytes=a.memory_budget_gib * 2**30,
                           offload_bandwidth=(a.offload_bandwidth_gbps or OFFLOAD_BANDWIDTH_CUDA) * 1e9)
     dropped = ", ".join(f"{n} {why}" for why, n in result.dropped.items())
@@ -100,12 +103,21 @@ def main(argv: list[str]) -> int:
               + (" or raise --memory-budget-gib" if a.memory_budget_gib else ""), file=sys.stderr)
         return 1
     best = result.ranked[0].time.total
+    lo, hi = HELD_OUT_RATIO_RANGE
+    print(f"Intervals: where published figures lay for predictions of runs the model was not fitted on (held-out "
+          f"predicted / published {lo:.2f}-{hi:.2f}, median error {100 * HELD_OUT_MEDIAN_ERROR:.1f}%; "
+          f"docs/planning.md){' - with --mfu the fit no longer applies' if a.mfu else ''}\n")
     for i, c in enumerate(result.ranked[: a.top], 1):
         slower = 100 * (c.time.total / best - 1)
         # Times equal to 3 significant digits rank the simpler layout first (planner.plan_layouts).
         lead = "fastest" if i == 1 else f"{slower:.1f}% slower than #1" if slower >= 0.05 else "ties #1"
-        print(f"#{i} ({lead}): {explain(c, a.seq_len, a.global_batch_size, device)}")
+        low, high = interval(c.tokens_per_s_per_device)
+        print(f"#{i} ({lead}; {low:,.0f}-{high:,.0f} tokens/s/device): "
+              f"{explain(c, a.seq_len, a.global_batch_size, device)}")
         print("  " + c.layout.toml(a.seq_len, a.global_batch_size, features).replace("\n", "\n  ") + "\n")
+    for line in published_here(shape, device.name, a.devices, a.seq_len, a.global_batch_size, features,
+                               result.ranked):
+        print(line)
     return 0
 
 

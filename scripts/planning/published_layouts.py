@@ -1,73 +1,92 @@
-"""The planner against published layouts: where each published layout ranks, the planner's own pick,
-why they differ, and predicted vs published throughput (tokens/s/GPU).
+"""The planner against published runs.
 
-    PYTHONPATH=$PWD python3 scripts/planning/published_layouts.py
+    PYTHONPATH=$PWD python3 scripts/planning/published_layouts.py [--held-out]
 
-The cases and their sources are torchtitan/planning/published.py PUBLISHED (and docs/planning.md).
+Default: every run of the corpus (torchtitan/planning/published.py CORPUS) with its split (training: the runs
+the fitted constants saw; held out: the others), predicted vs published tokens/s/GPU and peak memory; the
+published pairs that differ in one choice; and where the planner, free to choose, ranks the published layouts.
+--held-out: the held-out runs only, their error summary and the pairs (docs/planning.md quotes this table).
 """
 
+import argparse
+import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from torchtitan.planning.published import MEMORY, PUBLISHED, RATIOS, TIE, compare  # noqa: E402
+from torchtitan.planning.published import (  # noqa: E402
+    CORPUS,
+    HELD_OUT,
+    PUBLISHED,
+    TIE,
+    TRAINING,
+    compare,
+    fit_constants,
+    single_choice_pairs,
+)
 
 
-HEADROOMS = (0.0, 0.1, 0.2, 0.3)
+def corpus_table(runs) -> list[str]:
+    rows = ["| # | split | run | layout as run | published | predicted | predicted / published | memory GiB "
+            "published / estimated | source |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        c = r.predict()
+        p = c.tokens_per_s_per_device
+        mem = f"{r.memory_gib:.1f} / {c.memory.peak / 2**30:.1f} ({c.memory.peak / 2**30 / r.memory_gib:.2f})" \
+            if r.memory_gib else "-"
+        split = "held out" if r in HELD_OUT else "training"
+        rows.append(f"| {CORPUS.index(r)} | {split} | {r.name} | {r.layout.describe()} | {r.tokens_per_s:,.0f} | "
+                    f"{p:,.0f} | {p / r.tokens_per_s:.2f} | {mem} | {r.source.split(':')[0]}; "
+                    f"{r.source.split(', ')[-1]} |")
+    return rows
+
+
+def summary(name: str, runs) -> str:
+    ratios = [r.predict().tokens_per_s_per_device / r.tokens_per_s for r in runs]
+    errs = [abs(x - 1) for x in ratios]
+    mems = [abs(r.predict().memory.peak / 2**30 / r.memory_gib - 1) for r in runs if r.memory_gib]
+    return (f"{name}: {len(runs)} runs, tokens/s error median {100 * statistics.median(errs):.1f}%, max "
+            f"{100 * max(errs):.1f}%, {sum(e <= 0.15 for e in errs)} of {len(runs)} within 15%; predicted / published "
+            f"{min(ratios):.2f}-{max(ratios):.2f}; memory ({len(mems)} reported) within 10%: "
+            f"{sum(e <= 0.10 for e in mems)} of {len(mems)}")
+
+
+def pairs_table() -> list[str]:
+    rows = ["| choice | a -> b | published b / a | predicted b / a | verdict |", "|---|---|---|---|---|"]
+    for a, b, what in single_choice_pairs():
+        pub = b.tokens_per_s / a.tokens_per_s
+        pred = b.predict().tokens_per_s_per_device / a.predict().tokens_per_s_per_device
+        same = (pub - 1) * (pred - 1) > 0
+        verdict = (f"tie (within {100 * TIE:.0f}%)" if abs(pred - 1) < TIE else "same order" if same
+                   else "WRONG ORDER")
+        rows.append(f"| {what} | {a.name} -> {b.name} | x{pub:.3f} | x{pred:.3f} | {verdict} |")
+    return rows
 
 
 def main() -> None:
-    rows, notes = [], []
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--held-out", action="store_true", help="the held-out runs only, with the error summary")
+    a = ap.parse_args()
+    print(f"Fitted on the training half only: {fit_constants()}\n")
+    print("\n".join(corpus_table(HELD_OUT if a.held_out else CORPUS)))
+    print()
+    if not a.held_out:
+        print(summary("training", TRAINING))
+    print(summary("held out", HELD_OUT))
+    print("\nPublished pairs that differ in one choice:\n")
+    print("\n".join(pairs_table()))
+    if a.held_out:
+        return
+    print("\nThe planner, free to choose the degrees, AC and batch split, against the published layouts:\n")
+    print("| case | published layout | its rank (of fitting) | its predicted step vs #1 | planner's #1 | why |")
+    print("|---|---|---|---|---|---|")
     for case in PUBLISHED:
         c = compare(case)
         first = c.result.ranked[0]
-        ours = c.result.ranked[c.rank - 1] if c.rank else None
-        ratio = (f"{ours.tokens_per_s_per_device:,.0f} / {case.tokens_per_s:,.0f} = "
-                 f"{ours.tokens_per_s_per_device / case.tokens_per_s:.2f}") if ours else "-"
-        gap = f"+{100 * c.gap:.1f}%" if ours else "-"
-        within = "-"
-        if c.within:
-            r, g, top = c.within
-            within = f"{r} (+{100 * g:.1f}%)" + ("" if r == 1 else f"; first: {top.layout.describe()}")
-        rows.append(f"| {case.name} ({case.device}, global batch {case.global_batch_size}) | {case.describe()} | "
-                    f"{c.rank} of {len(c.result.ranked)} | {gap} | {first.layout.describe()} | {within} | {ratio} |")
-        notes.append(f"- {case.name}: {c.reason}.")
-        if ours:
-            notes.append(f"  published degrees, best variant: {ours.layout.describe()}; "
-                         f"peak {ours.memory.peak / 2**30:.1f} GiB")
-    print("| case | published layout | its rank (of fitting) | its predicted step vs #1 | planner's #1 | "
-          "its rank among layouts of the same parallelisms | predicted / published tokens/s/GPU |")
-    print("|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
-    print()
-    print("\n".join(notes))
-    print(f"\n(A gap under {100 * TIE:.0f}% is a tie: below what the model resolves.)\n")
-    print("Relative predictions against pairs of published runs (the ranking rests on these):\n")
-    print("| pair | published | predicted | role | source |")
-    print("|---|---|---|---|---|")
-    for pair in RATIOS:
-        print(f"| {pair.name} | x{pair.published:.3f} | x{pair.predicted():.3f} | {pair.role} | {pair.source} |")
-    print("\nThe estimator against published GPU memory (max reserved per GPU; not fitted):\n")
-    print("| run | measured GiB | estimated GiB | estimate / measured | source |")
-    print("|---|---|---|---|---|")
-    for m in MEMORY:
-        est = m.estimate_gib()
-        print(f"| {m.name} | {m.measured_gib:.1f} | {est:.1f} | {est / m.measured_gib:.2f} | {m.source} |")
-    print("\nThe verdicts against the room left free (--memory-headroom): rank of the published degrees among all "
-          "layouts / among the layouts of the same parallelisms, gap to the first of each\n")
-    print("| case | " + " | ".join(f"headroom {100 * h:.0f}%" for h in HEADROOMS) + " |")
-    print("|---|" + "---|" * len(HEADROOMS))
-    for case in PUBLISHED:
-        cells = []
-        for h in HEADROOMS:
-            c = compare(case, h)
-            if c.rank is None:
-                cells.append("does not fit")
-                continue
-            r, g, _ = c.within
-            cells.append(f"{c.rank} (+{100 * c.gap:.1f}%) / {r} (+{100 * g:.1f}%)")
-        print(f"| {case.name} | " + " | ".join(cells) + " |")
+        gap = f"+{100 * c.gap:.1f}%" if c.rank else "-"
+        print(f"| {case.name} | {case.describe()} | {c.rank} of {len(c.result.ranked)} | {gap} | "
+              f"{first.layout.describe()} | {c.reason} |")
 
 
 if __name__ == "__main__":

@@ -258,6 +258,11 @@ def _hybrid_block_elems(shape: ModelShape, kind: str, ac: str, tp: int) -> float
     return per_token / tp
 
 
+OP_HALF_MATMULS = "op_half_matmuls"
+"""The AC of published torchtitan runs (2024-25): selective op that recomputes every other matmul of a block
+(wk, wo, w3) and saves the others' outputs; the planner does not offer it (this repository's "op" saves all)."""
+
+
 def block_elems_per_token(shape: ModelShape, ac: str, tp: int = 1, kind: str | None = None) -> float:
     """Activation elements one block keeps per token of the microbatch (see the module docstring). `kind`
     (hybrid models: `linear_attention` / `full_attention`): that kind's blocks; None: the average over the
@@ -274,6 +279,8 @@ def block_elems_per_token(shape: ModelShape, ac: str, tp: int = 1, kind: str | N
         return none
     if ac == "op":
         return (5 * d + 2 * kv + 2 * h + nh) / tp
+    if ac == OP_HALF_MATMULS:  # torchtitan upstream's op policy: of wq wk wv wo w1 w3 w2 it saves the odd ones
+        return (4 * d + kv + h + nh) / tp
     if ac == "full":
         return d / tp
     k = int(ac)  # selective every k-th block: 1/k of the blocks keep only their input
@@ -290,7 +297,7 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
     blocks = block_elems_per_token(shape, w.ac, w.tp) * w.blocks * w.act_bytes
     if w.cp_all_to_all and w.cp > 1 and w.ac == "none":
         blocks += (shape.q_dim or shape.dim) / w.tp * w.blocks * w.act_bytes
-    if w.kv_heads_in_place and not shape.hybrid and w.ac not in ("op", "full"):
+    if w.kv_heads_in_place and not shape.hybrid and w.ac not in ("op", OP_HALF_MATMULS, "full"):
         # The formula counts k and v repeated to the query width; every non-checkpointed block keeps them as
         # projected instead (selective every k-th block: k-1 of k blocks).
         kept = 1.0 if w.ac == "none" else (int(w.ac) - 1) / int(w.ac)

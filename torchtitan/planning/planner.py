@@ -34,14 +34,18 @@ from torchtitan.planning.memory_budget import (
     solve,
 )
 from torchtitan.planning.schedule_order import bubble_fraction
+from torchtitan.planning.step_time import DEFAULT_MFU
 from torchtitan.planning.step_time import (
     ASYNC_TP_HIDDEN,
-    DEFAULT_MFU,
-    FLOAT8_LINEAR_SPEEDUP,
-    FULL_SPEED_TOKENS,
+    NCCL_SM_SHARE,
+    BlockShape,
     StepTime,
+    ac_recompute,
+    block_seconds,
     collective_time,
     link,
+    optimizer_seconds,
+    output_seconds,
 )
 
 AC_MODES = ("none", "op", "full")
@@ -79,6 +83,14 @@ class Features:
     """FSDP all-gathers the Float8 linears' weights in float8 (--float8.enable_fsdp_float8_all_gather)."""
     async_tp: bool = False
     """--parallelism.enable_async_tensor_parallel (with --compile.enable)."""
+    compile: bool = False
+    """--compile.enable (model and loss). Float8 and async TP imply it (the recipe turns it on for them)."""
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the model runs compiled: asked for, or implied by Float8 (async TP implies it only with TP,
+        and evaluate adds it there)."""
+        return self.compile or self.float8
 
     def __post_init__(self):
         if self.float8_all_gather and not self.float8:
@@ -86,14 +98,14 @@ class Features:
 
     def toml(self, tp: int) -> str:
         """Recipe lines for these features; async TP only where there is TP. Compile comes with both: async
-        TP is done by the compiler, and Float8's speedup (FLOAT8_LINEAR_SPEEDUP) was measured compiled."""
+        TP is done by the compiler, and Float8's casts are priced fused (step_time.FLOAT8_CAST_BYTES)."""
         sections = []
         if self.float8:
             sections.append('[model]\nconverters = ["float8"]')
             if self.float8_all_gather:
                 sections.append("[float8]\nenable_fsdp_float8_all_gather = true\n"
                                 "precompute_float8_dynamic_scale_for_fsdp = true")
-        if self.float8 or (self.async_tp and tp > 1):
+        if self.compiled or (self.async_tp and tp > 1):
             sections.append('[compile]\nenable = true\ncomponents = ["model", "loss"]')
         return "\n\n".join(sections)
 
@@ -213,14 +225,17 @@ def module_flops_per_token(shape: ModelShape, seq_len: int) -> dict[str, float]:
     return d
 
 
-def module_cost_per_token(shape: ModelShape, seq_len: int, features: Features) -> dict[str, float]:
-    """module_flops_per_token in bf16-equivalent FLOPs: with Float8 the blocks' linears count
-    1 / FLOAT8_LINEAR_SPEEDUP of theirs (attention and the bf16 output projection count in full)."""
-    cost = module_flops_per_token(shape, seq_len)
-    if features.float8:
-        saved = 6 * shape.block_params * (1 - 1 / FLOAT8_LINEAR_SPEEDUP)
-        cost.update({n: f - saved for n, f in cost.items() if n.startswith("layers.")})
-    return cost
+def module_seconds_per_microbatch(shape: ModelShape, device: Device, seq_len: int, tokens: float, tp: int, cp: int,
+                                  ac: str, features: Features) -> dict[str, float]:
+    """Seconds one rank spends on each top-level module for a microbatch of `tokens` tokens of its TP x CP group
+    (step_time.block_seconds, output_seconds); the embedding and the final norm about zero."""
+    b = BlockShape(shape.dim, shape.q_dim or shape.dim, shape.kv_dim, shape.hidden)
+    block = sum(block_seconds(device, b, tokens, seq_len, tp, cp, ac, features.compiled, features.float8,
+                              features.float8_all_gather).values())
+    d = {"tok_embeddings": 0.0, "norm": 0.0,
+         "output": output_seconds(device, shape.dim, shape.vocab, tokens, tp, cp, features.compiled)}
+    d.update({f"layers.{i}": block for i in range(shape.n_layers)})
+    return d
 
 
 def flops_per_token(shape: ModelShape, seq_len: int) -> float:
@@ -229,8 +244,9 @@ def flops_per_token(shape: ModelShape, seq_len: int) -> float:
 
 
 def _ac_factor(ac: str) -> float:
-    """Compute of a step relative to no AC (a budget's per-block plan adds its own seconds: _budget_plan)."""
-    return {"none": 1.0, "op": 1.0, "full": 4 / 3, BUDGET_AC: 1.0}[ac]
+    """Matmul work of a step relative to no AC (a budget's per-block plan adds its own seconds: _budget_plan)."""
+    return 1.0 if ac == BUDGET_AC else 1 + ac_recompute(ac) / 3
+
 
 
 def block_runs(choices: tuple[str, ...]) -> str:
@@ -263,15 +279,21 @@ def _budget_plan(shape: ModelShape, state: StateBytes, work: RankWork, limit: fl
 
 
 def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, seq_len: int,
-             global_batch_size: int, mfu: float = DEFAULT_MFU, network: Network = FLAT_NETWORK,
+             global_batch_size: int, mfu: float | None = None, network: Network = FLAT_NETWORK,
              features: Features = Features(), memory_headroom: float = 0.0, budget_bytes: float = 0.0,
              offload_bandwidth: float = OFFLOAD_BANDWIDTH_CUDA * 1e9) -> Candidate:
     """Memory and step time of one layout; raises LayoutError when the layout cannot run and MemoryError
     when its estimated peak exceeds the device's memory less `memory_headroom` (a fraction kept free), or
     `budget_bytes` (--memory-budget-gib) when that is lower. Layout.ac == "budget": the blocks' choices are
-    the memory-budget planner's for this rank (offload priced at `offload_bandwidth` bytes/s)."""
+    the memory-budget planner's for this rank (offload priced at `offload_bandwidth` bytes/s). `mfu`: the
+    fraction of the bf16 peak large matmuls reach, instead of the device's (Device.gemm_eff)."""
     L = layout
-    ac = "none" if L.ac == BUDGET_AC else L.ac  # a budget's plan sets the blocks' bytes itself (_budget_plan)
+    if mfu is not None:
+        device = dataclasses.replace(device, gemm_eff=mfu)
+    ac = "none" if L.ac == BUDGET_AC else L.ac
+    time_ac = "none" if L.ac == BUDGET_AC else L.ac
+    if features.async_tp and L.tp > 1:  # async TP is done by the compiler: the recipe turns compile on
+        features = dataclasses.replace(features, compile=True)  # a budget's plan sets the blocks' bytes itself (_budget_plan)
     pd = ParallelDims(L.dp_replicate, L.dp_shard, L.cp, L.tp, L.pp, devices)
     head_dim = (shape.q_dim or shape.dim) // shape.n_heads
     pd.check_model({"tp": {"n_heads": shape.n_heads, "n_kv_heads": shape.kv_dim // head_dim,
@@ -304,10 +326,10 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
         n_mb = L.grad_accum
     # The pipeline runs at the pace of its busiest rank (stages differ: the output projection weighs
     # more than a block, the embedding nothing).
-    module_fpt = module_cost_per_token(shape, seq_len, features)
-    busiest_fpt = max(sum(module_fpt[n] for st in stages for n in st) for stages in all_ranks.values())
-    rank_tokens = (L.microbatch_size if L.pp > 1 else L.local_batch_size) * seq_len / L.cp
-    speed = mfu * min(1.0, rank_tokens / FULL_SPEED_TOKENS)
+    mb_tokens = (L.microbatch_size if L.pp > 1 else L.local_batch_size) * seq_len  # the TP x CP group's
+    module_s = module_seconds_per_microbatch(shape, device, seq_len, mb_tokens, L.tp, L.cp, time_ac, features)
+    busiest_s = max(sum(module_s[n] for st in stages for n in st) for stages in all_ranks.values())
+    speed = DEFAULT_MFU  # the memory-budget planner prices its recomputation at this fraction of the peak
     limit = memory_limit(device, memory_headroom)
     if budget_bytes:
         limit = min(limit, budget_bytes)
@@ -349,8 +371,9 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
     # ---- step time ---------------------------------------------------------------------------------------
     per_replica_tokens = global_batch_size // pd.dp * seq_len
     fpt = flops_per_token(shape, seq_len)
-    compute = per_replica_tokens * busiest_fpt * _ac_factor(L.ac) / (L.tp * L.cp) / (device.bf16_flops * speed)
+    compute = per_replica_tokens / mb_tokens * busiest_s
     compute += added  # recomputation and offload moves of a budget's plan
+    compute += optimizer_seconds(device, stage_params_max / (L.tp * fsdp))
     blocks_per_rank = math.ceil(shape.n_layers / L.pp)
     exposed: dict[str, float] = {}
     # FSDP / HSDP. Gradients are reduced once, after the last microbatch (the trainer turns gradient sync off
@@ -385,10 +408,14 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
         if L.pp > 1:
             v = plan.stages_per_rank
             hidden_late = max(0.0, gathers - fwd) + max(0.0, with_all_reduce(units * rs) - bwd) / v
+            traffic = gathers + with_all_reduce(units * rs)
         else:  # the last backward's gathers ride the reduce-scatter's link
             hidden_late = (n_mb * max(0.0, gathers - fwd) + (n_mb - 1) * max(0.0, gathers - bwd)
                            + max(0.0, with_all_reduce(gathers + units * rs) - bwd))
+            traffic = (2 * n_mb - 1) * gathers + with_all_reduce(gathers + units * rs)
         exposed["FSDP/HSDP"] = hidden_late + ag + rs
+        # The hidden part still takes NCCL's SMs and HBM bandwidth from the compute it overlaps.
+        exposed["FSDP/HSDP beside compute"] = NCCL_SM_SHARE * max(0.0, traffic - exposed["FSDP/HSDP"])
     tokens_mb = (L.microbatch_size if L.pp > 1 else L.local_batch_size) * seq_len / L.cp
     passes = n_mb if L.pp > 1 else L.grad_accum
     if L.tp > 1:
@@ -396,17 +423,18 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
         per = collective_time(device, L.tp, full, L.tp, network)
         # 2 all-gathers + 2 reduce-scatters in forward, as many in backward; recomputation repeats the
         # forward's 4 under full AC and, under op AC, the 2 all-gathers (only reduce-scatter outputs are saved).
-        repeats = {"none": 0, "op": 2, "full": 4, "full_offload": 4}
+        # torchtitan's upstream op policy saves the reduce-scatter outputs too; every k-th block: 4 / k.
+        repeats = {"none": 0, "op": 2, "op_half_matmuls": 2, "full": 4, "full_offload": 4}
         count = 8 + (sum(repeats.get(c, 0) for c in L.block_plan) / len(L.block_plan) if L.ac == BUDGET_AC
-                     else repeats[L.ac])
+                     else repeats.get(L.ac, 4 * ac_recompute(L.ac)))
         comm = count * per
         if features.float8:  # the forward's all-gathers (and their recomputation) carry float8
-            forward_gathers = 2 + (2 if L.ac in ("op", "full") else 0)
+            forward_gathers = 2 + (2 if L.ac in ("op", "op_half_matmuls", "full") else 0)
             comm -= forward_gathers * (per - collective_time(device, L.tp, full / ACT_BYTES, L.tp, network))
         if features.async_tp:
-            linears = 6 * shape.block_params * tokens_mb * _ac_factor(L.ac) / L.tp / (device.bf16_flops * speed)
-            if features.float8:
-                linears /= FLOAT8_LINEAR_SPEEDUP
+            b = BlockShape(shape.dim, shape.q_dim or shape.dim, shape.kv_dim, shape.hidden)
+            linears = block_seconds(device, b, tokens_mb * L.cp, seq_len, L.tp, L.cp, time_ac, True, features.float8,
+                                    features.float8_all_gather)["matmul"]
             comm -= min(ASYNC_TP_HIDDEN * comm, linears)
         exposed["TP"] = blocks_per_rank * passes * comm
     if L.cp > 1:
@@ -494,7 +522,7 @@ def _check_model_parallel(names: frozenset[str]) -> None:
 
 
 def plan_layouts(shape: ModelShape, device: Device, devices: int, seq_len: int, global_batch_size: int,
-                 mfu: float = DEFAULT_MFU, cp_min_seq_len: int = CP_MIN_SEQ_LEN,
+                 mfu: float | None = None, cp_min_seq_len: int = CP_MIN_SEQ_LEN,
                  network: Network = FLAT_NETWORK, features: Features = Features(),
                  model_parallel: frozenset[str] | None = None, memory_headroom: float = 0.0,
                  budget_bytes: float = 0.0, offload_bandwidth: float = OFFLOAD_BANDWIDTH_CUDA * 1e9) -> PlanResult:
