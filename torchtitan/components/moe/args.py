@@ -56,7 +56,7 @@ class MoEArgs:
         routed experts' and, where there are shared experts, theirs."""
         out = {"moe.hidden_dim": self.hidden_dim}
         if self.num_shared_experts > 0:
-            out["the shared experts' hidden size"] = self.shared_hidden_dim or self.hidden_dim * self.num_shared_experts
+            out["shared experts' hidden size"] = self.shared_hidden_dim or self.hidden_dim * self.num_shared_experts
         return out
 
     def check(self) -> None:
