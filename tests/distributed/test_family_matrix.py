@@ -5,8 +5,8 @@ families have one; test-registered toys have none and stay out). Each combinatio
 by `plan_job` before any rank starts with one line (a USER_ERROR) that the table below expects.
 
 One process (in-process trainers, one after another): each AC mode, Float8 (emulated on CPU), document masking,
-Muon, and LoRA composed with Float8 and full AC. Two ranks, in ONE spawned group that builds one trainer per combination: FSDP 2, TP 2 (for the MoE families: expert tensor parallel), PP 2, CP 2
-and, for the MoE families, EP 2.
+Muon, and LoRA composed with Float8 and full AC. Two ranks, in ONE spawned group that builds one trainer per combination: FSDP 2, TP 2, PP 2, CP 2
+and, for the MoE families, EP 2 (TP 2 alone is expert tensor parallel for them).
 
 Compile and AC under every layout (issue 31: the matrix tried compile only alone, and MoE compiled under EP died):
 every two-rank run is checkpointed (full / op-level AC rotated, compiled runs included: Qwen3 compiled with full AC

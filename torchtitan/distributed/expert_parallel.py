@@ -12,9 +12,9 @@ Expert tensor parallel (TP with EP 1; upstream torchtitan's and Megatron's ETP) 
 ranks instead: each rank holds a slice of every expert's hidden units (w1/w3 column-wise, w2 row-wise, like a
 dense FFN under TP) and runs it on every tp rank's tokens.
 
-    this rank's sequence shard ─▶ router (its own tokens, as under EP) ─▶ all-gather over tp: tokens, routed
-    weights, expert ids ─▶ experts' hidden slices ─▶ combine ─▶ + shared experts (sharded alike) ─▶ partial sums
-    ─▶ reduce-scatter over tp ─▶ this rank's sequence shard
+    this rank's sequence shard ─▶ router (its own tokens, as under EP) ─▶ all-gather over tp: tokens,
+    routed weights, expert ids ─▶ experts' hidden slices ─▶ combine ─▶ + shared experts (sharded alike)
+    ─▶ partial sums ─▶ reduce-scatter over tp ─▶ this rank's sequence shard
 
 Per MoE layer that is one all-gather of the tokens and one reduce-scatter of the output (a dense FFN's TP traffic)
 plus the routing decisions ([tokens, top_k] weights and ids); backward the mirror image. Every quantity a
@@ -132,7 +132,8 @@ class _PartialSumLinear(ParallelStyle):
 
     def __init__(self, weight: Placement, input_layout: Placement, input_grad: Placement, output_grad: Placement):
         super().__init__()
-        self.weight, self.input_layout, self.input_grad, self.output_grad = weight, input_layout, input_grad, output_grad
+        self.weight, self.input_layout = weight, input_layout
+        self.input_grad, self.output_grad = input_grad, output_grad
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for pname, p in list(module.named_parameters(recurse=False)):
@@ -162,7 +163,7 @@ SHARED_ROW = _PartialSumLinear(Shard(1), Shard(-1), Shard(-1), Replicate())
 SHARED_GATE = _PartialSumLinear(Replicate(), Replicate(), Partial(), Partial())
 
 
-def moe_tp_plan(moe: MoE, name: str = "moe", *, experts_over_tp: bool = False) -> dict:
+def moe_tp_plan(moe: MoE, name: str = "moe", *, experts_over_tp: bool) -> dict:
     """Tensor-parallel plan entries for an MoE layer at `name` inside a block. Under sequence parallel each tp
     rank routes its own sequence shard: the router gate is a replicated DTensor reading the shard, its gradient
     summed over the tp ranks.
