@@ -6,7 +6,7 @@ by `plan_job` before any rank starts with one line (a USER_ERROR) that the table
 
 One process (in-process trainers, one after another): each AC mode, Float8 (emulated on CPU), document masking,
 Muon, and LoRA composed with Float8 and full AC. Two ranks, in ONE spawned group that builds one trainer per combination: FSDP 2, TP 2, PP 2, CP 2
-and, for the MoE families, EP 2.
+and, for the MoE families, EP 2 (TP 2 alone is expert tensor parallel for them).
 
 Compile and AC under every layout (issue 31: the matrix tried compile only alone, and MoE compiled under EP died):
 every two-rank run is checkpointed (full / op-level AC rotated, compiled runs included: Qwen3 compiled with full AC
@@ -61,9 +61,10 @@ TWO_RANKS = {
     "pp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "GPipe"],
     "cp2": ["--parallelism.context_parallel_degree", "2"],
     "ep2": ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"],
-    # TP for an MoE model on 2 ranks (TP alone is refused for MoE): ep spans the tp ranks and no FSDP, so the
-    # parameters TP leaves replicated stay plain tensors beside DTensors (DeepSeek-V3's MLA down-projections):
-    # one optimizer group mixing both stopped in foreach/fused AdamW before the groups were split by kind.
+    # TP for an MoE model on 2 ranks with EP (TP alone is expert tensor parallel, "tp2" above): ep spans the tp
+    # ranks and no FSDP, so the parameters TP leaves replicated stay plain tensors beside DTensors (DeepSeek-V3's
+    # MLA down-projections): one optimizer group mixing both stopped in foreach/fused AdamW before the groups were
+    # split by kind.
     "ep2_tp2": ["--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
 }
 
@@ -74,8 +75,6 @@ REFUSED = {
     ("qwen3", "pp2"): "tie",  # the tied debug flavor cannot be cut into stages
     ("llama3", "memory_budget"): "memory_budget is applied by the compiler",
     **{(f, "document_masking"): "does not take that input" for f in ("qwen3", "qwen3_moe", "deepseek_v3")},
-    # TP splits an MoE model's experts over the tp ranks' tokens: TP alone (ep 1) is refused.
-    **{(f, "tp2"): "needs expert_parallel_degree a multiple of it" for f in MOE},
 }
 ONE_PROCESS_REFUSALS = {"memory_budget": ["--activation_checkpoint.mode", "memory_budget"]}
 

@@ -45,15 +45,17 @@ OPTIONS = [
 ]
 
 
-def _qwen3_5_config():
+def _qwen3_5_config(args=None, vocab: int = VOCAB):
+    """transformers' config of a Qwen3.5 shape (default: tests/unit/test_qwen3_5_hf.py's dense one)."""
     import dataclasses
 
     from tests.unit.test_qwen3_5_hf import DENSE
     from torchtitan.models.qwen3_5.state_dict_adapter import Qwen3_5StateDictAdapter
 
-    hf = Qwen3_5StateDictAdapter.to_hf_config(dataclasses.replace(DENSE, vocab_size=VOCAB), torch.float32)
-    return transformers.Qwen3_5TextConfig(**{k: v for k, v in hf.items()
-                                             if k not in ("architectures", "model_type", "torch_dtype")})
+    args = DENSE if args is None else args
+    hf = Qwen3_5StateDictAdapter.to_hf_config(dataclasses.replace(args, vocab_size=vocab), torch.float32)
+    cls = transformers.Qwen3_5MoeTextConfig if args.moe else transformers.Qwen3_5TextConfig
+    return cls(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type", "torch_dtype")})
 
 
 def _make_folder(family: str, folder: str) -> None:
@@ -71,13 +73,13 @@ def _make_folder(family: str, folder: str) -> None:
     model.save_pretrained(folder)
 
 
-def _run(rank, world_size, runs):
+def _run(rank, world_size, runs, options=OPTIONS):
     from torchtitan.protocols.train_spec import config_manager
     from torchtitan.trainer import Trainer
 
     results = {}
     for family, folder, dump, extra in runs:
-        cfg = config_manager().parse_args(OPTIONS + extra + [
+        cfg = config_manager().parse_args(options + extra + [
             "--model.name", family, "--model.hf_config", folder, "--checkpoint.initial_load_path", folder,
             "--job.dump_folder", dump,
         ])

@@ -5,8 +5,10 @@ batches of 8 x 64 tokens, tests/tolerances.py's curve tolerances).
 FSDP 2, TP 2 (DeltaNet heads split: projections column-wise, conv channels and A_log/dt_bias sharded alike,
 out_proj row-wise), PP 2, CP 2 and TP 2 x CP 2 against the plain reference; CP 4 with document masking (the
 state and the conv window restart at each document, across cp pieces) against one process with document
-masking; EP 2 on the MoE flavor against its own reference. Negative control: with the state passing removed
-(every piece starts from a zero state) CP 2 no longer matches.
+masking; EP 2 and TP 2 (expert tensor parallel: the routed and the shared expert split over tp by hidden units,
+the shared expert's sigmoid gate replicated, its gradient a partial sum over tp) on the MoE flavor against its own
+reference. Negative control: with the state passing removed (every piece starts from a zero state) CP 2 no longer
+matches.
 """
 
 import pytest
@@ -34,6 +36,7 @@ LAYOUTS = {
     "tp2_cp2": ("dense", 4, DENSE + TP2 + CP2 + LBS4),
     "cp4_documents": ("documents", 4, DENSE + DOCUMENT_MASKING + ["--parallelism.context_parallel_degree", "4"] + LBS4),
     "ep2": ("moe", 2, MOE + ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"]),
+    "tp2_moe": ("moe", 2, MOE + TP2 + LBS4),
 }
 REFERENCES = {"dense": DENSE + LBS4, "documents": DENSE + DOCUMENT_MASKING + LBS4, "moe": MOE + LBS4}
 

@@ -42,9 +42,19 @@ def test_dense_model_refuses_ep():
         dims(2, ep=2).check_model({"tp": {"n_heads": 4}})
 
 
-def test_moe_under_tp_needs_ep():
-    with pytest.raises(LayoutError, match=r"expert_parallel_degree 2"):
-        dims(2, ep=1, tp=2).check_model(MOE)
+def test_moe_under_tp_alone_splits_each_expert_over_tp():
+    """EP 1 under TP: expert tensor parallel, whose hidden sizes ("etp") tp must divide; under EP x TP the experts
+    are whole and only their number must divide."""
+    hidden = {**MOE, "etp": {"moe.hidden_dim": 100, "shared experts' hidden size": 36}}
+    assert (dims(2, ep=1, tp=2).etp, dims(4, ep=2, tp=2).etp, dims(2, ep=1).etp) == (2, 1, 1)
+    dims(2, ep=1, tp=2).check_model(hidden)
+    dims(4, ep=1, tp=4).check_model(hidden)
+    with pytest.raises(LayoutError, match=r"^tensor_parallel_degree 8 does not divide the model's moe.hidden_dim "
+                                          r"\(100\); .* --parallelism.expert_parallel_degree 8$"):
+        dims(8, ep=1, tp=8).check_model(hidden)
+    with pytest.raises(LayoutError, match=r"shared experts' hidden size \(36\)"):
+        dims(8, ep=1, tp=8).check_model({**MOE, "etp": {"shared experts' hidden size": 36}})
+    dims(8, ep=8, tp=8).check_model(hidden)  # EP x TP: whole experts, 8 of them
 
 
 def test_plan_job_refuses_the_balance_loss_under_pp_and_an_expert_split_that_does_not_fit():

@@ -263,13 +263,15 @@ class Parallelism:
     except for the last module, whose parameters backward needs at once."""
 
     tensor_parallel_degree: int = 1
-    """Tensor parallel degree (with sequence parallel on norms)."""
+    """Tensor parallel degree (with sequence parallel on norms). For MoE models with expert_parallel_degree 1 it
+    also splits every routed and shared expert by its hidden units (expert tensor parallel, docs/moe.md)."""
 
     expert_parallel_degree: int = 1
     """Ranks the routed experts of MoE models are split over (the "ep" mesh dimension), with all-to-all token
     dispatch. Taken from the ranks that hold different tokens (data_parallel_shard x context_parallel x
     tensor_parallel), so it must divide their product and be a multiple of context_parallel x
-    tensor_parallel; FSDP shards the experts over the remaining shard ranks and the dense parts over all."""
+    tensor_parallel; FSDP shards the experts over the remaining shard ranks and the dense parts over all.
+    1 under tensor parallel: each expert is split over the tp ranks instead (expert tensor parallel)."""
 
     disable_loss_parallel: bool = False
     """Gather the logits instead of computing cross entropy on vocab shards under tensor parallel."""

@@ -42,7 +42,10 @@ _DIST_OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_o
              "all_to_all_single", "gather", "gather_object", "scatter", "reduce", "batch_isend_irecv")
 _FUNCOL_OPS = ("all_reduce", "all_gather_tensor", "all_gather_tensor_autograd", "reduce_scatter_tensor",
                "reduce_scatter_tensor_autograd", "all_to_all_single", "all_to_all_single_autograd", "broadcast",
-               "all_reduce_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced")
+               "all_reduce_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced",
+               # torch 2.13's names (the *_tensor ones above are their deprecated aliases and call the plain
+               # all_gather_single / reduce_scatter_single, left unwrapped so that nothing counts twice)
+               "all_gather_single_autograd", "reduce_scatter_single_autograd")
 
 
 class CollectiveLog:

@@ -13,6 +13,9 @@ does: dp_shard is split into dp_shard_mod_ep (outer) x dp_shard_in_ep (inner), a
   ep          = dp_shard_in_ep x cp x tp       the routed experts are split over these (all-to-all)
   dp_shard_mod_ep (x dp_replicate)             FSDP shards each rank's experts over these
 The dense parameters are still sharded over dp_shard_cp (= dp_shard_mod_ep x dp_shard_in_ep x cp).
+
+With ep 1 under tensor parallel, the tp ranks split every routed expert by its hidden units instead (expert
+tensor parallel, `etp` = tp): no mesh dimension of its own, the experts live on the tp mesh.
 """
 
 import warnings
@@ -34,6 +37,7 @@ _DEGREE_NAMES = {
     "tp": "tensor_parallel_degree",
     "pp": "pipeline_parallel_degree",
     "ep": "expert_parallel_degree",
+    "etp": "tensor_parallel_degree",
 }
 
 
@@ -130,6 +134,12 @@ class ParallelDims:
         return self.ep > 1
 
     @property
+    def etp(self) -> int:
+        """Expert tensor parallel degree: the tp ranks split each routed expert's hidden units when expert
+        parallel is off (ep 1); under EP the experts are split over ep (which includes tp) instead."""
+        return self.tp if self.ep == 1 else 1
+
+    @property
     def dp_shard_in_ep(self) -> int:
         return self.ep // (self.cp * self.tp) if self.ep > 1 else 1
 
@@ -141,17 +151,12 @@ class ParallelDims:
     def check_model(self, divisible_by: dict[str, dict[str, int]]) -> None:
         """The model's shapes that a parallel degree splits must divide by it: `divisible_by` maps a mesh
         dimension (e.g. "tp") to {field: value} (the model args' `divisible_by()`). A model that declares
-        "ep" has routed experts: under tensor parallel the tp ranks route different tokens (sequence
-        parallel), so the experts must be split over them (ep a multiple of tp; no TP inside experts)."""
+        "ep" has routed experts; under tensor parallel they are split over ep (a multiple of tp) or, with ep 1,
+        each over the tp ranks by its hidden units: "etp" lists the hidden sizes that tp must then divide."""
         if self.ep > 1 and "ep" not in divisible_by:
             raise LayoutError(
                 f"expert_parallel_degree {self.ep} needs a model with routed experts (e.g. deepseek_v3); this "
                 f"model has none: set --parallelism.expert_parallel_degree 1"
-            )
-        if "ep" in divisible_by and self.tp > 1 and self.ep == 1:
-            raise LayoutError(
-                f"an MoE model under tensor_parallel_degree {self.tp} needs expert_parallel_degree a multiple of "
-                f"it (experts are split over the tp ranks' tokens), e.g. --parallelism.expert_parallel_degree {self.tp}"
             )
         for dim, shape in divisible_by.items():
             degree = getattr(self, dim)
@@ -160,9 +165,12 @@ class ParallelDims:
             for what, n in shape.items():
                 if n % degree:
                     fits = [d for d in _divisors(n) if d <= self.world_size and self.world_size % d == 0]
+                    hint = "" if dim != "etp" else (
+                        f" (with expert_parallel_degree 1, tensor parallel splits each expert's hidden units); or "
+                        f"split the experts over ranks instead: --parallelism.expert_parallel_degree {self.tp}")
                     raise LayoutError(
                         f"{_DEGREE_NAMES.get(dim, dim)} {degree} does not divide the model's {what} ({n}); "
-                        f"degrees that fit: {fits}"
+                        f"degrees that fit: {fits}{hint}"
                     )
 
     def check_batch(self, *, seq_len: int, global_batch_size: int, local_batch_size: int) -> int:

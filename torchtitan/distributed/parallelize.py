@@ -10,7 +10,9 @@ pipeline stage (distributed.pipeline cuts the model first and calls the family's
   TP       the model-level plan every family shares (embedding row-wise, final norm sequence-parallel, output
            column-wise with loss parallel) and the family's block plan; float8 styles where Float8 TP is on,
            async TP where configured. Between blocks activations are sequence shards (Shard(1)).
-  EP       every MoE layer's routed experts split over the ep ranks (distributed.expert_parallel.apply_ep).
+  EP       every MoE layer's routed experts split over the ep ranks (distributed.expert_parallel.apply_ep); with
+           EP 1 under TP, every expert's hidden units split over the tp ranks instead (expert tensor parallel,
+           applied with the TP plan's MOE entries: distributed.expert_parallel.moe_tp_plan).
   AC       per block (distributed.activation_checkpoint; or keep/op/full/offload/full_offload per block from
            --memory.block_choices), then compile per block, then FSDP: blocks,
            embedding, norm + output, and the routed experts as their own groups over the expert mesh.
@@ -68,7 +70,9 @@ HEAD_NORM = "head_norm"
 """A norm over each local head ([B, S, heads, head_dim] read as sharded on the heads, dim 2), e.g. QK-norm:
 its replicated weight's gradient, a sum over every head, is summed over tp."""
 MOE = "moe"
-"""An MoE layer: each tp rank routes its own sequence shard (distributed.expert_parallel.moe_tp_plan)."""
+"""An MoE layer: each tp rank routes its own sequence shard; the routed and shared experts are split over ep (which
+includes tp), or with EP 1 over tp by their hidden units (expert tensor parallel; distributed.expert_parallel.
+moe_tp_plan)."""
 HEAD_PARAMS = "head_params"
 """A module whose parameters hold one entry per attention head (or head channel) on dim 0 (attention sinks,
 Gated DeltaNet's conv and decay): sharded over tp like the heads of the column-wise projections feeding it, so
@@ -147,8 +151,10 @@ def _has(module: nn.Module, name: str) -> bool:
     return True
 
 
-def block_tp_plan(block: nn.Module, plan: ParallelPlan, *, float8: bool = False) -> dict:
-    """The torch `parallelize_module` plan of one block: the entries of `plan.block_tp` it has, as styles."""
+def block_tp_plan(block: nn.Module, plan: ParallelPlan, *, float8: bool = False,
+                  experts_over_tp: bool = True) -> dict:
+    """The torch `parallelize_module` plan of one block: the entries of `plan.block_tp` it has, as styles.
+    experts_over_tp: MoE layers split their experts over tp (expert tensor parallel, EP 1)."""
     colwise, rowwise, prepare_input = _styles(float8)
     out: dict = {}
     for name, style in plan.block_tp.items():
@@ -170,15 +176,17 @@ def block_tp_plan(block: nn.Module, plan: ParallelPlan, *, float8: bool = False)
         elif style == HEAD_PARAMS:
             out[name] = _ShardHeadParams()
         elif style == MOE:
-            out.update(moe_tp_plan(block.get_submodule(name), name))
+            out.update(moe_tp_plan(block.get_submodule(name), name, experts_over_tp=experts_over_tp))
         else:
             raise ValueError(f"TP plan entry {name!r}: unknown style {style!r}")
     return out
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: ParallelPlan, *, loss_parallel: bool,
-             float8: bool = False) -> None:
+             float8: bool = False, experts_over_tp: bool = True) -> None:
     """Megatron-style tensor parallel with sequence parallel: the shared model-level plan, then `plan` per block.
+    MoE layers split their experts over tp (expert tensor parallel) unless `experts_over_tp` is False (expert
+    parallel is on and splits them over ep, which includes tp).
 
     With loss parallel the logits stay sharded over the vocabulary and cross entropy runs on shards (no logits
     all-gather). The embedding and the output projection keep the plain styles: float8 leaves them in high
@@ -200,7 +208,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: ParallelPlan, *, loss_
             model.tie_weights()  # each style registered a new Parameter
     group = tp_mesh.get_group()
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_tp_plan(block, plan, float8=float8))
+        parallelize_module(block, tp_mesh, block_tp_plan(block, plan, float8=float8, experts_over_tp=experts_over_tp))
         for path in plan.tp_grad_sums:
             owner_name, _, attr = path.rpartition(".")
             if _has(block, owner_name):
@@ -273,7 +281,7 @@ def parallelize(
         if job_config.parallelism.enable_async_tensor_parallel:
             enable_async_tp(pd.submesh("tp"))
         apply_tp(model, pd.submesh("tp"), plan, loss_parallel=not job_config.parallelism.disable_loss_parallel,
-                 float8=uses_float8_tensor_parallel(job_config, device_type))
+                 float8=uses_float8_tensor_parallel(job_config, device_type), experts_over_tp=not pd.ep_enabled)
     if plan.extra is not None:
         plan.extra(model, pd, job_config)
     experts = apply_ep(model, pd.submesh("ep")) if pd.ep_enabled else []

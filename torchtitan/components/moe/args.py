@@ -51,6 +51,14 @@ class MoEArgs:
     swiglu_limit: float = 7.0
     """clamped_swiglu: the gate is clamped above at this value, the up projection to [-limit, limit]."""
 
+    def hidden_sizes(self) -> dict[str, int]:
+        """The hidden sizes expert tensor parallel splits over tp (ParallelDims.check_model's "etp" entry): the
+        routed experts' and, where there are shared experts, theirs."""
+        out = {"moe.hidden_dim": self.hidden_dim}
+        if self.num_shared_experts > 0:
+            out["shared experts' hidden size"] = self.shared_hidden_dim or self.hidden_dim * self.num_shared_experts
+        return out
+
     def check(self) -> None:
         if self.experts not in ("swiglu", "clamped_swiglu"):
             raise ValueError(f"experts must be swiglu or clamped_swiglu, got {self.experts!r}")

@@ -8,7 +8,7 @@ of one matmul per expert. Both compute the same function; tests/unit/test_moe.py
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -53,12 +53,27 @@ def expert_swiglu(
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
-    # Under expert parallel the stacked weights are DTensors sharded over experts (dim 0) on the ep mesh;
-    # this rank computes with its own experts. The gradient returns as this rank's shard (Shard(0)).
+    # Under expert parallel the stacked weights are DTensors sharded over experts (dim 0) on the ep mesh, under
+    # expert tensor parallel over their hidden units on the tp mesh (`hidden_dims`); this rank computes with its
+    # own slice. The gradient returns as this rank's shard.
     return w.to_local() if isinstance(w, DTensor) else w
 
 
+def _added_once(b: torch.Tensor) -> torch.Tensor:
+    """A bias added after the down projection. Under expert tensor parallel the projection is split over the tp
+    ranks by its input (hidden) units, so each rank's output is a partial sum that the MoE adds up over tp, and
+    the bias is a replicated DTensor on the tp mesh: tp rank 0 adds it, the others add zeros, so the sum holds it
+    once. Its local gradient (rank 0's, zeros elsewhere) is declared Partial: summed over tp where it is used."""
+    if not isinstance(b, DTensor) or not all(p.is_replicate() for p in b.placements):
+        return _local(b)
+    local = b.to_local(grad_placements=[Partial()] * b.device_mesh.ndim)
+    return local if not any(b.device_mesh.get_coordinate()) else local * 0
+
+
 class GroupedExperts(nn.Module):
+    hidden_dims = {"w1": 1, "w2": 2, "w3": 1}
+    """The dim of each parameter that holds the hidden units (expert tensor parallel splits these over tp)."""
+
     def __init__(self, dim: int, hidden_dim: int, num_experts: int):
         super().__init__()
         self.num_experts = num_experts
@@ -90,6 +105,10 @@ class ClampedSwiGLUExperts(nn.Module):
     (gate and up interleaved by column) with `gate_up_bias` [E, 2 x hidden], `down` [E, hidden, dim] with
     `down_bias` [E, dim]; expert e computes clamped_swiglu(x gate_up_e + b) down_e + down_bias_e."""
 
+    hidden_dims = {"gate_up": 2, "gate_up_bias": 1, "down": 1}
+    """The dim of each parameter that holds the hidden units (expert tensor parallel splits these over tp: a
+    slice of gate_up's columns holds whole (gate, up) pairs when tp divides hidden_dim). down_bias is added once."""
+
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, alpha: float, limit: float):
         super().__init__()
         self.num_experts, self.alpha, self.limit = num_experts, alpha, limit
@@ -106,9 +125,8 @@ class ClampedSwiGLUExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, dim] sorted by (local) expert with counts[e] tokens for local expert e."""
-        gate_up, gate_up_bias, down, down_bias = (
-            _local(w).to(x.dtype) for w in (self.gate_up, self.gate_up_bias, self.down, self.down_bias)
-        )
+        gate_up, gate_up_bias, down = (_local(w).to(x.dtype) for w in (self.gate_up, self.gate_up_bias, self.down))
+        down_bias = _added_once(self.down_bias).to(x.dtype)
         if grouped_mm_supported(x.device, x.dtype):
             offsets = counts.cumsum(0).to(torch.int32)
             expert_of = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts,

@@ -6,10 +6,16 @@
 Dispatch is capacity-free: every token copy reaches its expert, however unbalanced the routing. Without
 expert parallel the dispatch is the identity; `distributed.expert_parallel.apply_ep` replaces it with an
 all-to-all over the ep ranks (`token_dispatch`), the way context parallel swaps the attention kernel.
+
+Under expert tensor parallel (TP with EP 1) each tp rank holds a slice of every expert's hidden units:
+`expert_tp` (set by distributed.expert_parallel's tensor-parallel plan) gathers the tp ranks' routed tokens
+after the router and reduce-scatters the experts' partial sums after the combine; the router still runs on
+this rank's sequence shard.
 """
 
 import dataclasses
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +28,21 @@ from torchtitan.protocols.model import is_shape_only_forward
 
 # (tokens sorted by expert [N, dim], this rank's token count per expert [E], experts) -> outputs [N, dim]
 TokenDispatch = Callable[[torch.Tensor, torch.Tensor, GroupedExperts], torch.Tensor]
+
+
+class ExpertTokens(Protocol):
+    """Where the experts' tokens come from and their outputs go, when that is not this rank's own sequence shard
+    (expert tensor parallel: distributed.expert_parallel.ExpertTensorParallel)."""
+
+    def gather(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x [B, S, dim], routed weights [B x S, top_k], expert ids [B x S, top_k]) of this rank's shard ->
+        the same for every token the experts see here."""
+        ...
+
+    def reduce(self, out: torch.Tensor) -> torch.Tensor:
+        """The MoE output [B, S', dim] over the gathered tokens (this rank's part) -> this rank's shard's output."""
+        ...
 
 
 def local_dispatch(x: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
@@ -74,6 +95,7 @@ class MoE(nn.Module):
         # Token copies each expert received since the last optimizer step, on this rank.
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         self.token_dispatch: TokenDispatch = local_dispatch
+        self.expert_tp: ExpertTokens | None = None
 
     def active_params_per_token(self) -> int:
         """Weights each token multiplies: the router, the shared experts and top_k routed experts (the
@@ -102,16 +124,20 @@ class MoE(nn.Module):
         bs, slen, dim = x.shape
         tokens = x.reshape(-1, dim)
         weights, ids, scores = self.router(tokens, self.expert_bias)
-        flat = ids.flatten()
-        # Not bincount: its length depends on the largest id, which a compiled graph cannot know.
-        load = torch.zeros(self.args.num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
-            0, flat, torch.ones_like(flat)
-        )
+        load = self._count(ids)
         # The load is counted towards the bias update by add_layer_stats, in the model's forward: outside the
         # block, so neither an activation-checkpoint recompute nor a compiled graph sees the side effect.
-        order = flat.argsort(stable=True)
+        aux = None
+        if self.args.aux_loss_alpha > 0 and self.training:
+            aux = self.sequence_aux_loss(scores.view(bs, slen, -1), ids.view(bs, slen, -1))
+        probs = scores.sum(0) if self.args.router_aux_loss_coef > 0 and self.training else None
+        counts = load
+        if self.expert_tp is not None:  # the experts' tokens: every tp rank's, routed where they were
+            x, weights, ids = self.expert_tp.gather(x, weights, ids)
+            tokens, counts = x.reshape(-1, dim), self._count(ids)
+        order = ids.flatten().argsort(stable=True)
         token_of = order // self.args.top_k
-        routed = self.token_dispatch(tokens[token_of], load, self.experts)
+        routed = self.token_dispatch(tokens[token_of], counts, self.experts)
         # Under autocast (default precision on one rank) the experts' matmuls return bf16 while the tokens
         # stay fp32: the weighted sum is taken in the tokens' dtype.
         routed = routed.to(tokens.dtype) * weights.flatten()[order].unsqueeze(-1).to(tokens.dtype)
@@ -121,11 +147,17 @@ class MoE(nn.Module):
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(x)) * shared
             out = out + shared.reshape(-1, dim)
-        aux = None
-        if self.args.aux_loss_alpha > 0 and self.training:
-            aux = self.sequence_aux_loss(scores.view(bs, slen, -1), ids.view(bs, slen, -1))
-        probs = scores.sum(0) if self.args.router_aux_loss_coef > 0 and self.training else None
-        return MoEOutput(out.view(bs, slen, dim), aux, load.detach(), probs)
+        out = out.view(x.shape)
+        if self.expert_tp is not None:
+            out = self.expert_tp.reduce(out)
+        return MoEOutput(out, aux, load.detach(), probs)
+
+    def _count(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token copies per expert [E] int64 of expert ids [T, top_k]. Not bincount: its length depends on the
+        largest id, which a compiled graph cannot know."""
+        flat = ids.flatten()
+        return torch.zeros(self.args.num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
 
     def sequence_aux_loss(self, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """DeepSeek-V3's sequence-wise balance loss, alpha * sum_i f_i P_i per sequence, where f_i is expert

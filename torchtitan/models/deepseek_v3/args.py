@@ -69,6 +69,7 @@ class DeepSeekV3ModelArgs(BaseModelArgs):
         return {
             "tp": {"n_heads": self.n_heads, "dim": self.dim, "vocab_size": self.vocab_size},
             "ep": {"n_routed_experts": self.moe.num_experts},
+            "etp": self.moe.hidden_sizes(),
         }
 
     def update_from_job(self, job_config, tokenizer) -> "DeepSeekV3ModelArgs":

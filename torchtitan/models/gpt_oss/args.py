@@ -77,9 +77,10 @@ class GptOssModelArgs(BaseModelArgs):
         return None  # MoE blocks: the planning tools' dense-block formulas do not apply
 
     def divisible_by(self) -> dict[str, dict[str, int]]:
-        """TP splits the query and kv heads (and the sinks with them) and the vocabulary; EP the experts."""
+        """TP splits the query and kv heads (and the sinks with them) and the vocabulary; EP the experts, or with
+        EP 1 TP each expert's hidden units."""
         return {"tp": {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads, "vocab_size": self.vocab_size},
-                "ep": {"n_routed_experts": self.moe.num_experts}}
+                "ep": {"n_routed_experts": self.moe.num_experts}, "etp": self.moe.hidden_sizes()}
 
     def update_from_job(self, job_config: Any, tokenizer: Any) -> "GptOssModelArgs":
         """The flavor's embedding rows are kept when the tokenizer fits in them (the published 201,088 rows

@@ -126,12 +126,14 @@ class Qwen3_5ModelArgs(BaseModelArgs):
                                 self.vocab_size, gated_attention=True, linear_attention=linear, moe=moe)
 
     def divisible_by(self) -> dict[str, dict[str, int]]:
-        """TP splits the softmax heads, the DeltaNet key and value heads, and the vocabulary; EP the experts."""
+        """TP splits the softmax heads, the DeltaNet key and value heads, and the vocabulary; EP the experts, or
+        with EP 1 TP each expert's hidden units."""
         out = {"tp": {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads,
                       "linear_num_key_heads": self.linear_num_key_heads,
                       "linear_num_value_heads": self.linear_num_value_heads, "vocab_size": self.vocab_size}}
         if self.moe is not None:
             out["ep"] = {"n_routed_experts": self.moe.num_experts}
+            out["etp"] = self.moe.hidden_sizes()
         return out
 
     def update_from_job(self, job_config: Any, tokenizer: Any) -> "Qwen3_5ModelArgs":

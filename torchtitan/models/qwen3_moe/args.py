@@ -24,7 +24,8 @@ class Qwen3MoeModelArgs(Qwen3ModelArgs):
         return None  # MoE blocks: the planning tools' dense-block formulas do not apply
 
     def divisible_by(self) -> dict[str, dict[str, int]]:
-        return {**super().divisible_by(), "ep": {"n_routed_experts": self.moe.num_experts}}
+        return {**super().divisible_by(), "ep": {"n_routed_experts": self.moe.num_experts},
+                "etp": self.moe.hidden_sizes()}
 
     def update_from_job(self, job_config: Any, tokenizer: Any) -> "Qwen3MoeModelArgs":
         args = super().update_from_job(job_config, tokenizer)
