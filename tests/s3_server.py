@@ -72,18 +72,31 @@ class ThreadedS3Server:
     """moto's server in a thread of this process; `stop` then `start` again keeps its buckets and objects."""
 
     def __init__(self):
+        import logging
+
         from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
 
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         self.start()
 
+        self.running = True
+
+    def reset(self) -> None:
+        """Deletes every bucket and object (moto's reset API)."""
+        urllib.request.urlopen(urllib.request.Request(self.endpoint + "/moto-api/reset", method="POST")).read()
+
     def start(self) -> None:
         self.server.start()
         wait_ready(self.endpoint)
+        self.running = True
 
     def stop(self) -> None:
         """Connections are refused from now on (the listening socket is closed), as when a store is down."""
-        self.server.stop()
-        self.server._server.server_close()
+        if self.running:
+            self.running = False
+            self.server.stop()
+            self.server._server.server_close()

@@ -46,6 +46,12 @@ _fs_lock = threading.Lock()
 os.register_at_fork(after_in_child=_fs_cache.clear)  # a client's connections and event loop stay with its process
 
 
+def reset_clients() -> None:
+    """Forgets the store clients, so the next request reads the environment (endpoint, credentials) again."""
+    with _fs_lock:
+        _fs_cache.clear()
+
+
 def set_retry_seconds(seconds: float) -> None:
     """How long a request to the store is retried on transient errors before it fails (the job's setting)."""
     global _retry_seconds
@@ -81,8 +87,15 @@ def filesystem(url: str):
     protocol, _ = split_protocol(url)
     with _fs_lock:
         if protocol not in _fs_cache:
+            # One retry policy (`retry` below, one budget, one line at the end) instead of three stacked ones:
+            # s3fs's and botocore's own retries are turned off.
+            extra = {"config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}}} \
+                if protocol in ("s3", "s3a") else {}
             try:
-                _fs_cache[protocol] = url_to_fs(url, use_listings_cache=False, skip_instance_cache=True)[0]
+                fs = url_to_fs(url, use_listings_cache=False, skip_instance_cache=True, **extra)[0]
+                if protocol in ("s3", "s3a"):
+                    fs.retries = 1
+                _fs_cache[protocol] = fs
             except ImportError as e:
                 raise StorageError(
                     f"{url}: the {protocol}:// file system needs a package that is not installed ({e}); "
@@ -288,6 +301,13 @@ def makedirs(path: str) -> None:
     """Creates a local folder; on a store there are no folders (a prefix exists once an object is under it)."""
     if not is_url(path):
         os.makedirs(_local(path), exist_ok=True)
+
+
+def copy_tree(src: str, dst: str) -> None:
+    """Copies a folder within one store (server-side copies: no data passes through this process)."""
+    fs, sp = filesystem(src)
+    _, dp = filesystem(dst)
+    retry(f"copying {src} to {dst}", lambda: fs.copy(sp.rstrip("/") + "/", dp.rstrip("/") + "/", recursive=True))
 
 
 def copy_out(url: str, local: str) -> None:

@@ -579,13 +579,14 @@ class CheckpointManager:
     def _clear_name(self, partial: str, final: str) -> None:
         """Makes room for a new save of this step; nothing usable is deleted."""
         if storage.is_url(final):
-            # No rename on a store: an unfinished save of this step (no manifest) is deleted; a complete one
-            # (an earlier run's) is kept and refused, since moving it aside would copy every object.
+            # No rename on a store: an unfinished save of this step (no manifest) is deleted; a complete one (an
+            # earlier run's, e.g. refused as corrupt) is copied aside server-side, then its manifest deleted
+            # first, so that no moment shows two complete copies under step names or none at all.
             if storage.isfile(storage.join(final, folders.MANIFEST)):
-                raise CheckpointError(
-                    f"{final} already holds a complete checkpoint (an earlier run's save of this step); resume "
-                    f"from it, or remove it (and the newer ones) to train this step again"
-                )
+                aside = f"{final}.old-{time.strftime('%Y%m%d-%H%M%S')}"
+                logger.warning(f"{final} exists (an earlier run's save of this step); copying it to {aside}")
+                storage.copy_tree(final, aside)
+                storage.remove(storage.join(final, folders.MANIFEST))
             if storage.isdir(final):
                 logger.warning(f"Replacing {final}, the unfinished save of an interrupted run")
                 storage.remove_tree(final)
