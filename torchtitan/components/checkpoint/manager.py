@@ -528,14 +528,15 @@ class CheckpointManager:
 
     def _write_hf(self, step: int) -> None:
         """A Hub-ready Hugging Face folder `hf-step-N`, written by every rank from its own shards
-        (hf_folder.save_hf_folder), under a .partial name until complete."""
+        (hf_folder.save_hf_folder), under a .partial name until complete; on a store under its own name, its
+        config.json (written last) marking it complete."""
         if self.hf_adapter is None:
             raise CheckpointError(f"--checkpoint.last_save {self.ckpt.last_save}: model {self.cfg.model.name} has no Hugging Face adapter")
         self.wait()
-        final = os.path.join(self.root, f"hf-step-{step}")
-        partial = final + folders.PARTIAL
+        final = storage.join(self.root, f"hf-step-{step}")
+        partial = folders.partial_name(final)
         if self.rank == 0:
-            self._clear_name(partial, final)
+            self._clear_name(partial, final, marker="config.json")
         if dist.is_initialized():
             dist.barrier()
         try:
@@ -545,7 +546,8 @@ class CheckpointManager:
         except DCP_ERRORS as e:
             raise CheckpointError(f"save of {final} failed: {type(e).__name__}: {_first_line(e)}") from e
         if self.rank == 0:
-            os.replace(partial, final)
+            if partial != final:
+                os.replace(partial, final)
             logger.info(f"Saved Hugging Face folder {final} (loads with transformers' from_pretrained)")
 
     def _write(self, final: str, states: dict, step: int, kind: str) -> None:
@@ -576,17 +578,18 @@ class CheckpointManager:
             self._finish(partial, final, {**info, "mode": "sync"}, writer)
             self.last_blocking_s = time.perf_counter() - t0
 
-    def _clear_name(self, partial: str, final: str) -> None:
-        """Makes room for a new save of this step; nothing usable is deleted."""
+    def _clear_name(self, partial: str, final: str, marker: str = folders.MANIFEST) -> None:
+        """Makes room for a new save of this step; nothing usable is deleted. On a store, `marker` is the file
+        whose presence makes the folder complete (the manifest; config.json for a Hugging Face folder)."""
         if storage.is_url(final):
             # No rename on a store: an unfinished save of this step (no manifest) is deleted; a complete one (an
             # earlier run's, e.g. refused as corrupt) is copied aside server-side, then its manifest deleted
             # first, so that no moment shows two complete copies under step names or none at all.
-            if storage.isfile(storage.join(final, folders.MANIFEST)):
+            if storage.isfile(storage.join(final, marker)):
                 aside = f"{final}.old-{time.strftime('%Y%m%d-%H%M%S')}"
                 logger.warning(f"{final} exists (an earlier run's save of this step); copying it to {aside}")
                 storage.copy_tree(final, aside)
-                storage.remove(storage.join(final, folders.MANIFEST))
+                storage.remove(storage.join(final, marker))
             if storage.isdir(final):
                 logger.warning(f"Replacing {final}, the unfinished save of an interrupted run")
                 storage.remove_tree(final)
