@@ -225,6 +225,16 @@ def read_bytes(path: str) -> bytes:
     return retry(f"reading {path}", lambda: fs.cat_file(p))
 
 
+def read_range(path: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of a file: one ranged GET on a store."""
+    if not is_url(path):
+        with open(_local(path), "rb") as f:
+            f.seek(start)
+            return f.read(end - start)
+    fs, p = filesystem(path)
+    return retry(f"reading {path}", lambda: fs.cat_file(p, start=start, end=end))
+
+
 def read_json(path: str) -> Any:
     return json.loads(read_bytes(path))
 
