@@ -7,7 +7,8 @@ stopped and started again with its objects kept), with one-process runs of the t
   cause, the previous checkpoint is intact and is where the next run resumes;
 * a listing that lacks the newest checkpoint (a lagging listing): `latest.json` names it, its manifest decides,
   and the run resumes from it; without the pointer it would have resumed from the older one (the control);
-* pre-flight: a missing bucket and an unreachable store are one line each before any rank starts.
+* pre-flight: a missing bucket and an unreachable store are one line each before any rank starts;
+* initial weights from a checkpoint on the store.
 (The resume, retention and checksum tests run on both a local folder and the S3 server: test_checkpoint_*.py.)
 """
 
@@ -150,3 +151,13 @@ def test_preflight_names_a_missing_bucket_and_an_unreachable_store(s3, tmp_path,
     assert len(err) == 1 and f"--checkpoint.folder {ROOT}: the store cannot be reached" in err[0], err
     assert time.monotonic() - t0 < 30  # one attempt: pre-flight reports at once
     assert json.dumps(err).count("testing") == 0  # no credential in the line
+
+
+def test_initial_weights_from_a_checkpoint_on_the_store(s3, tmp_path, caplog):
+    """--checkpoint.initial_load_path may name a DCP checkpoint on the store (here a model-only export)."""
+    assert run(tmp_path / "a", "--training.steps", "2", *ckpt("--checkpoint.interval", "100",
+                                                              "--checkpoint.last_save", "export_only")) == 0
+    export = f"{ROOT}/export-step-2"
+    assert folders.problem(export) is None
+    assert run(tmp_path / "b", "--training.steps", "1", "--checkpoint.initial_load_path", export) == 0
+    assert f"Loaded initial weights from {export}" in caplog.text
