@@ -52,11 +52,14 @@ def make_bucket(endpoint: str, name: str) -> None:
 class S3Server:
     """moto's server as a child process on a free loopback port."""
 
-    def __init__(self):
+    def __init__(self, env: dict[str, str] | None = None):
+        """`env`: moto's own settings, e.g. INITIAL_NO_AUTH_ACTION_COUNT=1 (after one request, credentials that
+        are not moto IAM users are denied: a store that refuses this job's writes)."""
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env={**os.environ, **(env or {})})
         try:
             wait_ready(self.endpoint)
         except OSError:

@@ -7,7 +7,7 @@ stopped and started again with its objects kept), with one-process runs of the t
   cause, the previous checkpoint is intact and is where the next run resumes;
 * a listing that lacks the newest checkpoint (a lagging listing): `latest.json` names it, its manifest decides,
   and the run resumes from it; without the pointer it would have resumed from the older one (the control);
-* pre-flight: a missing bucket and an unreachable store are one line each before any rank starts;
+* pre-flight: a missing bucket, an unreachable store and denied writes are one line each before any rank starts;
 * initial weights from a checkpoint on the store.
 (The resume, retention and checksum tests run on both a local folder and the S3 server: test_checkpoint_*.py.)
 """
@@ -133,7 +133,8 @@ def test_listing_without_the_newest_checkpoint(s3, tmp_path, monkeypatch, caplog
     assert f"Resumed from {ROOT}/step-2" in caplog.text
 
 
-def test_preflight_names_a_missing_bucket_and_an_unreachable_store(s3, tmp_path, capsys):
+def test_preflight_names_a_missing_bucket_an_unreachable_store_and_denied_writes(s3, tmp_path, capsys,
+                                                                                 monkeypatch):
     from tests.s3_server import free_port
     from torchtitan.preflight import main as preflight
 
@@ -143,7 +144,7 @@ def test_preflight_names_a_missing_bucket_and_an_unreachable_store(s3, tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --checkpoint.folder s3://no-such-bucket/run: the bucket does not exist (The specified "
                    "bucket does not exist); create it or fix the URL"], err
-    os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     storage.reset_clients()
     t0 = time.monotonic()
     assert preflight([*base, "--checkpoint.folder", ROOT]) == 1
@@ -151,6 +152,19 @@ def test_preflight_names_a_missing_bucket_and_an_unreachable_store(s3, tmp_path,
     assert len(err) == 1 and f"--checkpoint.folder {ROOT}: the store cannot be reached" in err[0], err
     assert time.monotonic() - t0 < 30  # one attempt: pre-flight reports at once
     assert json.dumps(err).count("testing") == 0  # no credential in the line
+
+    from tests.s3_server import S3Server, make_bucket
+
+    strict = S3Server(env={"INITIAL_NO_AUTH_ACTION_COUNT": "1"})  # the bucket is made, then writes are denied
+    try:
+        make_bucket(strict.endpoint, "denied")
+        monkeypatch.setenv("AWS_ENDPOINT_URL", strict.endpoint)
+        storage.reset_clients()
+        assert preflight([*base, "--checkpoint.folder", "s3://denied/run"]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--checkpoint.folder s3://denied/run: access denied writing a test object" in err[0]
+    finally:
+        strict.stop()
 
 
 def test_initial_weights_from_a_checkpoint_on_the_store(s3, tmp_path, caplog):
@@ -161,3 +175,13 @@ def test_initial_weights_from_a_checkpoint_on_the_store(s3, tmp_path, caplog):
     assert folders.problem(export) is None
     assert run(tmp_path / "b", "--training.steps", "1", "--checkpoint.initial_load_path", export) == 0
     assert f"Loaded initial weights from {export}" in caplog.text
+
+
+def test_a_hugging_face_folder_on_the_store_is_refused_in_one_line(tmp_path, capsys):
+    """Not read from a store yet (its reader maps local files): pre-flight says so and how to copy it."""
+    from torchtitan.preflight import main as preflight
+
+    assert preflight(["--model.flavor", "debugmodel_tiny", "--job.dump_folder", str(tmp_path),
+                      "--checkpoint.initial_load_path", "s3://models/llama", "--checkpoint.initial_load_in_hf"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a Hugging Face folder is read from local disk only" in err[0], err
