@@ -14,6 +14,7 @@ import sys
 from tests.unit.checkpoint_helpers import TINY, run
 from torchtitan.components import storage
 from torchtitan.components.checkpoint import folders
+from torchtitan.components.checkpoint.manager import RUN_RECORD
 
 TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "fixtures", "checkpoint_v0", "bytes.tiktoken")
 RETAIN = ["--model.tokenizer_path", TOKENIZER, "--checkpoint.enable", "--checkpoint.interval", "1",
@@ -44,7 +45,7 @@ def test_keep_latest_two_and_every_fifth_survives_a_kill_in_a_removal(tmp_path, 
 
     assert run(tmp_path, *RETAIN, *store.argv, "--checkpoint.async_mode", "async", "--training.steps", "12") == 0
     kept = (5, 10, 11, 12)
-    extra = [folders.VERSIONS] + ([folders.LATEST] if store.kind == "s3" else [])
+    extra = [folders.VERSIONS] + ([folders.LATEST, RUN_RECORD] if store.kind == "s3" else [])
     assert listing(root) == sorted([f"step-{s}" for s in kept] + extra)  # no .reclaiming left
     for step in kept:
         assert folders.problem(storage.join(root, f"step-{step}")) is None

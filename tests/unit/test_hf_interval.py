@@ -16,6 +16,7 @@ from tests.unit.checkpoint_helpers import run
 from torchtitan import preflight
 from torchtitan.components import storage
 from torchtitan.components.checkpoint import folders
+from torchtitan.components.checkpoint.manager import RUN_RECORD
 from torchtitan.components.checkpoint.offline_model import build_cpu_model, job_config_of, load_model_weights
 
 transformers = pytest.importorskip("transformers")
@@ -46,7 +47,7 @@ def test_hf_interval_writes_hub_ready_folders_that_transformers_loads(tmp_path, 
               "--checkpoint.export_dtype", "float32", *store.argv]
     assert run(tmp_path, "--training.steps", "4", *common) == 0
     root = store.root(tmp_path)
-    extra = [folders.LATEST] if store.kind == "s3" else []
+    extra = [folders.LATEST, RUN_RECORD] if store.kind == "s3" else []
     assert storage.listdir(root) == sorted(["hf-step-2", "hf-step-4", "step-2", "step-4", *extra])  # no .partial
     for step in (2, 4):
         assert storage.listdir(storage.join(root, f"hf-step-{step}")) == HUB_FILES

@@ -90,6 +90,11 @@ def test_store_down_for_10s_mid_save_retries_and_completes(s3, tmp_path, monkeyp
     for step in (4, 8):
         assert folders.problem(folders.step_folder(ROOT, step)) is None
     assert folders.latest_pointer(ROOT) == 8
+    # The run's record travels with the checkpoints: metrics up to the last save, the resolved config.
+    mirrored = storage.read_bytes(storage.join(ROOT, "run", "metrics.jsonl")).decode()
+    with open(tmp_path / "metrics.jsonl") as f:
+        assert f.read().startswith(mirrored) and mirrored.count('"loss"') >= 4
+    assert storage.isfile(storage.join(ROOT, "run", "config.toml"))
 
 
 def test_store_down_longer_than_the_budget_fails_in_one_line(s3, tmp_path, monkeypatch, capsys):

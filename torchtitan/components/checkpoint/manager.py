@@ -43,6 +43,8 @@ from torchtitan.tools.precision import DTYPES
 from torchtitan.tools.restart import record_progress
 
 
+RUN_RECORD = "run"  # on a store: the run's metrics.jsonl and resolved config.toml, beside the checkpoints
+
 # DCP's CheckpointException derives from BaseException, so `except Exception` alone would miss it.
 DCP_ERRORS = (Exception, dcp.CheckpointException)
 
@@ -608,9 +610,23 @@ class CheckpointManager:
             if info["kind"] == "full":
                 logger.info(f"Saved checkpoint {final}")
                 record_progress(saved=info["step"])
+                self._mirror_run_record()
                 self._reclaimer.start(protect={info["step"]})
             else:
                 logger.info(f"Saved model-only export {final} (weights for generation and conversion; not resumable)")
+
+    def _mirror_run_record(self) -> None:
+        """On a store, the run folder's record (metrics.jsonl, the resolved config.toml) is copied beside the
+        checkpoints (`{root}/run/`) at every save, so it outlives the nodes; a failure here is only a warning."""
+        if not storage.is_url(self.root):
+            return
+        for name in ("metrics.jsonl", "config.toml"):
+            local = os.path.join(self.cfg.job.dump_folder, name)
+            if os.path.isfile(local):
+                try:
+                    storage.upload_file(local, storage.join(self.root, RUN_RECORD, name))
+                except OSError as e:
+                    logger.warning(f"Could not copy {local} to {self.root}/{RUN_RECORD}/: {e}")
 
     def _poll(self) -> None:
         """Completes a background save that has finished, so it becomes visible (and survives a kill) early."""
