@@ -6,7 +6,8 @@ stopped and started again with its objects kept), with one-process runs of the t
 * the same outage with a retry budget of 3 s: the save fails with one line naming the checkpoint and the
   cause, the previous checkpoint is intact and is where the next run resumes;
 * a listing that lacks the newest checkpoint (a lagging listing): `latest.json` names it, its manifest decides,
-  and the run resumes from it; without the pointer it would have resumed from the older one (the control);
+  and the run resumes from it; without the pointer it would have resumed from the older one (the control); a
+  folder listing that lacks a data file: the manifest still lists it (from the writers' records);
 * pre-flight: a missing bucket, an unreachable store and denied writes are one line each before any rank starts;
 * initial weights from a checkpoint on the store.
 (The resume, retention and checksum tests run on both a local folder and the S3 server: test_checkpoint_*.py.)
@@ -116,7 +117,15 @@ def test_store_down_longer_than_the_budget_fails_in_one_line(s3, tmp_path, monke
 
 
 def test_listing_without_the_newest_checkpoint(s3, tmp_path, monkeypatch, caplog):
+    real_sizes = storage.file_sizes
+
+    def lagging_sizes(folder):  # every folder listing lacks the data file written last
+        return {k: v for k, v in real_sizes(folder).items() if k != "__0_0.distcp"}
+
+    monkeypatch.setattr(storage, "file_sizes", lagging_sizes)
     assert run(tmp_path / "a", "--training.steps", "4", *ckpt("--checkpoint.interval", "2")) == 0
+    manifest = folders.read_manifest(folders.step_folder(ROOT, 4))
+    assert "__0_0.distcp" in manifest["files"], "the manifest lists what the writers wrote, not what a listing saw"
     real = storage.listdir
 
     def lagging(path):  # the listing of the run's root has not caught up with step-4 yet

@@ -109,6 +109,9 @@ def write_manifest(folder: str, info: dict, checksums: dict[str, str]) -> None:
     completion marker). A file no writer hashed (one written by a writer of another kind) is hashed here, by
     reading it, and listed under `checksums_read_back`; the trainer's own saves list none."""
     files = storage.file_sizes(folder)
+    # Every file a writer recorded is listed, asked for by name when the listing lacks it (a store's listing
+    # may lag behind its writes; a read by name does not).
+    files.update({name: storage.size(storage.join(folder, name)) for name in set(checksums) - set(files)})
     files.pop(MANIFEST, None)
     read_back = sorted(set(files) - set(checksums))
     checksums = {**checksums, **{name: file_checksum(storage.join(folder, name)) for name in read_back}}
