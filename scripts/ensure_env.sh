@@ -37,8 +37,9 @@ mods = ["torchdata", "tiktoken", "sentencepiece", "datasets", "safetensors", "te
 mods += ["tomllib" if sys.version_info >= (3, 11) else "tomli"]
 if sys.argv[1] == "test":
     # float8 (torchao), fault-tolerant replicas (torchft), HF interop (transformers, peft), plot tests (matplotlib)
-    # and the layer contract (import-linter)
-    mods += ["pytest", "torchao", "torchft", "transformers", "peft", "matplotlib", "importlinter"]
+    # the layer contract (import-linter) and the local S3 server of the object-storage tests (s3fs, moto, boto3)
+    mods += ["pytest", "torchao", "torchft", "transformers", "peft", "matplotlib", "importlinter", "s3fs", "moto",
+             "boto3", "flask"]
 if sys.argv[1] == "test" and sys.platform.startswith("linux"):
     md.version("cmeel-mimalloc")  # --training.cpu_allocator mimalloc's test (no module to find: a library)
 sys.exit(0 if all(u.find_spec(m) for m in mods) else 1)

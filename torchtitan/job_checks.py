@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from torchtitan.components import storage
 from torchtitan.components.optim.lr_scheduler import check_schedule
 from torchtitan.components.faults.step_guard import check_guard_config
 from torchtitan.config import JobConfig
@@ -75,7 +76,8 @@ _RULES = {
     "activation_checkpoint.memory_budget": _fraction(),
     "comm.init_timeout_seconds": _at_least(1),
     "comm.train_timeout_seconds": _at_least(1),
-    "comm.hang_timeout_seconds": _non_negative_number(),  # 0 turns the hang watch off; -1 was taken silently
+    "comm.hang_timeout_seconds": _non_negative_number(),
+    "job.storage_retry_seconds": _non_negative_number(),  # 0 turns the hang watch off; -1 was taken silently
 }
 
 
@@ -99,6 +101,7 @@ def check_job_values(cfg: JobConfig) -> None:
     if cfg.training.cpu_allocator in cpu_malloc.ALLOCATORS:  # a named allocator must be there to preload
         cpu_malloc.wanted_allocator(cfg.training.cpu_allocator, accelerator=False)
     _check_creatable_folder(cfg.job.dump_folder)
+    _check_store(cfg)
     t = cfg.training
     mixture = parse_mixture(t.datasets) if t.datasets else [(t.dataset, 1.0)]
     mixture_schedule(cfg, mixture)  # phases: weights that parse, known sources, increasing steps
@@ -142,6 +145,22 @@ def _check_hf_saves_of_adapters(cfg: JobConfig) -> None:
         raise ValueError(f"{hf[0]} writes the model as trained, and --model.converters lora trains adapters that "
                          f"no Hugging Face model holds: keep --checkpoint.last_save full and write the folder from "
                          f"a step checkpoint with scripts/checkpoints/convert_to_hf.py (adapters merged, or --peft BASE)")
+
+
+def _check_store(cfg: JobConfig) -> None:
+    """A checkpoint folder on an object store: a small test object is written, read back and removed, so an
+    unreachable store, a missing bucket or denied writes are one line before any rank starts. A Hugging Face
+    folder to start from must be local (its reader maps files)."""
+    path = cfg.checkpoint.initial_load_path
+    if path and storage.is_url(path) and cfg.checkpoint.initial_load_in_hf:
+        raise ValueError(f"--checkpoint.initial_load_path {path}: a Hugging Face folder is read from local disk only "
+                         f"(a DCP checkpoint may be on a store); copy it there first, e.g. aws s3 cp --recursive "
+                         f"{path} /local/path, and pass that path")
+    folder = cfg.checkpoint.folder
+    if cfg.checkpoint.enable and storage.is_url(folder):
+        why = storage.probe(folder)
+        if why is not None:
+            raise ValueError(f"--checkpoint.folder {why}")
 
 
 def _check_creatable_folder(folder: str) -> None:

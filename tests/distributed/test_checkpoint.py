@@ -9,7 +9,7 @@
   PP 2 (parameter names are the unsplit model's, so the checkpoint does not care), within the same tolerances.
 * Extension: a run finished under FSDP 2 and rerun with more steps in one process continues where it ended.
 * Fault: a run SIGKILLed while its async save of step 10 is being written resumes from step 5, reports the
-  unfinished folder, and continues bit-identically.
+  unfinished folder, and continues bit-identically; on a local folder and on the S3 server.
 """
 
 import os
@@ -24,6 +24,8 @@ import torch
 
 from tests.distributed.test_parity_2d import assert_parity
 from tests.distributed.trainer_runs import PARITY_ARGS, curves, read_metrics, train
+from torchtitan.components import storage
+from torchtitan.components.checkpoint import folders
 
 pytestmark = pytest.mark.distributed
 
@@ -150,16 +152,19 @@ def _run_cli(module, argv, folder, **kw):
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 
-def test_killed_during_async_save_resumes_from_last_complete(straight_single, tmp_path):
+def test_killed_during_async_save_resumes_from_last_complete(straight_single, tmp_path, store):
+    """On a local folder and on the S3 server (store): killed after step 10's data files were written but
+    before its manifest, the run resumes from step 5 and continues bit-identically."""
     folder = str(tmp_path)
-    root = os.path.join(folder, "checkpoint")
-    proc = _run_cli("tests.distributed.stalled_save_train", ASYNC, folder)
+    root = store.root(folder)
+    unfinished = "step-10.partial" if store.kind == "local" else "step-10"
+    proc = _run_cli("tests.distributed.stalled_save_train", ASYNC + store.argv, folder)
     try:
         deadline = time.time() + 400
         while time.time() < deadline and proc.poll() is None:
             logged = read_metrics(folder) if os.path.exists(os.path.join(folder, "metrics.jsonl")) else []
             # Training went on while step 10 was being written: the save blocks only for staging.
-            if os.path.isdir(os.path.join(root, "step-10.partial")) and logged and logged[-1]["step"] >= 12:
+            if storage.isdir(storage.join(root, unfinished)) and logged and logged[-1]["step"] >= 12:
                 break
             time.sleep(0.5)
         assert proc.poll() is None, f"the run ended early:\n{proc.stdout.read()}"
@@ -168,13 +173,19 @@ def test_killed_during_async_save_resumes_from_last_complete(straight_single, tm
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert sorted(os.listdir(root)) == ["step-10.partial", "step-5"], "only the finished save may look complete"
+    names = storage.listdir(root)
+    assert [n for n in names if n.startswith("step-")] == sorted([unfinished, "step-5"]), names
+    assert folders.problem(storage.join(root, "step-5")) is None, "only the finished save may look complete"
+    assert folders.problem(storage.join(root, unfinished)) is not None
     before = len(read_metrics(folder))
 
-    proc = _run_cli("torchtitan.train", [], folder)
+    proc = _run_cli("torchtitan.train", store.argv, folder)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
-    assert "Ignoring unfinished checkpoint(s) step-10.partial" in out
+    if store.kind == "local":
+        assert "Ignoring unfinished checkpoint(s) step-10.partial" in out
+    else:  # the data files are there, the manifest never arrived: skipped with a warning, left for inspection
+        assert f"Skipping checkpoint {root}/step-10: no manifest.json (the save did not finish)" in out
     assert f"Resumed from {root}/step-5" in out
     resumed = read_metrics(folder)[before:]
     assert [m["step"] for m in resumed] == list(range(6, 21))

@@ -1,13 +1,15 @@
 """Checkpoint content checksums and the manifest's format version, in one process on the tiny fixture model:
 an old checkpoint (format 1, written before checksums existed) still resumes bitwise; a new one records a
 CRC-32 per file computed while writing, and a byte changed on disk (size unchanged) is refused with the file's
-name, the folder kept, the previous checkpoint used; a newer format than the code knows is refused in one line."""
+name, the folder kept, the previous checkpoint used (on a local folder and on the S3 server); a newer format than
+the code knows is refused in one line."""
 
 import json
 import os
 import shutil
 
 from tests.unit.checkpoint_helpers import losses, run
+from torchtitan.components import storage
 from torchtitan.components.checkpoint import folders
 from torchtitan.components.checkpoint.checksums import file_checksum
 
@@ -72,3 +74,28 @@ def test_old_checkpoint_resumes_bitwise_then_checksums_guard_the_new_ones(tmp_pa
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "checkpoint format 99 was written by a newer torchtitan" in errors[0], errors
     assert "step-4" in os.listdir(root)
+
+
+def test_changed_byte_is_refused_and_the_previous_used(tmp_path, store, caplog):
+    """On a local folder and on the S3 server: a byte of the newest checkpoint's data changed after the save
+    (same size, so only its checksum can tell) is refused with the file's name, the previous checkpoint is
+    used, steps 3-4 train again to the same losses, and the refused folder is kept aside, not deleted."""
+    tiny = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "4",
+            "--training.global_batch_size", "4", "--training.mixed_precision_param", "float32",
+            "--training.steps", "4", *CKPT, *store.argv]
+    assert run(tmp_path, *tiny) == 0
+    first = losses(tmp_path)
+    root = store.root(tmp_path)
+    data = storage.join(root, "step-4", "__0_0.distcp")
+    content = bytearray(storage.read_bytes(data))
+    content[len(content) // 2] ^= 0x01
+    storage.write_bytes(data, bytes(content))
+    assert folders.problem(storage.join(root, "step-4")) is None  # the sizes alone accept it
+    os.remove(tmp_path / "metrics.jsonl")
+    assert run(tmp_path, *tiny) == 0
+    assert f"Skipping checkpoint {root}/step-4: file __0_0.distcp does not match its checksum" in caplog.text
+    assert f"Resumed from {root}/step-2" in caplog.text
+    assert losses(tmp_path) == first[2:]
+    aside = [n for n in storage.listdir(root) if n.startswith("step-4.old-")]
+    assert len(aside) == 1 and storage.read_bytes(storage.join(root, aside[0], "__0_0.distcp")) == bytes(content)
+    assert folders.problem(storage.join(root, "step-4")) is None  # the new save of step 4

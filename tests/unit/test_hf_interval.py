@@ -4,7 +4,7 @@
 and hf-step-4 are complete folders (save_pretrained's files plus the tokenizer), transformers loads hf-step-2
 and computes the logits of our model at step 2 (fp32 export, within 1e-5 of the logits' scale: the two
 implementations sum in different orders), AutoTokenizer gives the project's ids, and a resume still
-chooses the DCP step-N checkpoints. Bad values are refused by the pre-flight check in one line.
+chooses the DCP step-N checkpoints; on a local folder and on the S3 server. Bad values are refused by the pre-flight check in one line.
 """
 
 import os
@@ -14,7 +14,9 @@ import torch
 
 from tests.unit.checkpoint_helpers import run
 from torchtitan import preflight
+from torchtitan.components import storage
 from torchtitan.components.checkpoint import folders
+from torchtitan.components.checkpoint.manager import RUN_RECORD
 from torchtitan.components.checkpoint.offline_model import build_cpu_model, job_config_of, load_model_weights
 
 transformers = pytest.importorskip("transformers")
@@ -38,27 +40,33 @@ def _hf(folder: str) -> torch.Tensor:
         return model.eval()(TOKENS).logits
 
 
-def test_hf_interval_writes_hub_ready_folders_that_transformers_loads(tmp_path):
+def test_hf_interval_writes_hub_ready_folders_that_transformers_loads(tmp_path, store):
+    """On a local folder and on the S3 server: from the bucket, the folders are copied out (as a user would,
+    e.g. `aws s3 cp --recursive`) and loaded from there."""
     common = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.hf_interval", "2",
-              "--checkpoint.export_dtype", "float32"]
+              "--checkpoint.export_dtype", "float32", *store.argv]
     assert run(tmp_path, "--training.steps", "4", *common) == 0
-    root = tmp_path / "checkpoint"
-    assert sorted(os.listdir(root)) == ["hf-step-2", "hf-step-4", "step-2", "step-4"]  # no .partial left
+    root = store.root(tmp_path)
+    extra = [folders.LATEST, RUN_RECORD] if store.kind == "s3" else []
+    assert storage.listdir(root) == sorted(["hf-step-2", "hf-step-4", "step-2", "step-4", *extra])  # no .partial
     for step in (2, 4):
-        assert sorted(os.listdir(root / f"hf-step-{step}")) == HUB_FILES
-    expected = _ours_at(str(root / "step-2"))
-    got = _hf(str(root / "hf-step-2"))
+        assert storage.listdir(storage.join(root, f"hf-step-{step}")) == HUB_FILES
+    local = tmp_path / "copied"
+    for name in ("hf-step-2", "hf-step-4", "step-2"):  # a no-op copy for the local folder
+        storage.copy_out(storage.join(root, name), str(local / name))
+    expected = _ours_at(str(local / "step-2"))
+    got = _hf(str(local / "hf-step-2"))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-    assert not torch.allclose(_hf(str(root / "hf-step-4")), got), "hf-step-4 holds the same weights as hf-step-2"
+    assert not torch.allclose(_hf(str(local / "hf-step-4")), got), "hf-step-4 holds the same weights as hf-step-2"
 
     from torchtitan.components.tokenizer.backends import build_tokenizer
 
     sample = "def walk(top):\n    \"\"\"Directory tree generator.\"\"\"  12 été"
-    hf_tok = transformers.AutoTokenizer.from_pretrained(root / "hf-step-2")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(local / "hf-step-2")
     assert hf_tok(sample).input_ids == build_tokenizer(None).encode(sample, bos=True, eos=False)
 
     # The hf-step-N folders sit beside the step-N checkpoints without being taken for one: a resume chooses step-4.
-    choice = folders.choose_resume_step(str(root))
+    choice = folders.choose_resume_step(root)
     assert (choice.step, choice.skipped) == (4, {})
 
 

@@ -22,6 +22,11 @@ class Job:
     print_config: bool = False
     """Print the resolved configuration at start (it is always saved to `{dump_folder}/config.toml`)."""
 
+    storage_retry_seconds: float = 120.0
+    """How long a request to an object store (a checkpoint or data path given as s3://, gs://, az:// URL) is
+    retried, with backoff, on transient errors (connection lost, timeouts, 5xx, throttling) before the save or
+    load fails with one line; see docs/object_storage.md."""
+
 
 @dataclass
 class Model:
@@ -341,7 +346,8 @@ class Checkpoint:
     """Save checkpoints and resume from the latest one in `{dump_folder}/{folder}`."""
 
     folder: str = "checkpoint"
-    """Checkpoint folder under dump_folder."""
+    """Checkpoint folder under dump_folder, or an object store URL used as it is (`s3://bucket/run/checkpoint`,
+    `gs://...`, `az://...`; credentials from the environment, see docs/object_storage.md)."""
 
     interval: int = 500
     """Save every N steps (and at the last step)."""

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from torchtitan.components import storage
 from torchtitan.components.tokenizer.backends import Tokenizer
 from torchtitan.config.job_config import JobConfig
 from torchtitan.datasets.packing import (
@@ -47,7 +48,8 @@ def open_window_source(
         # open_documents names the valid datasets (and the nearest one) for an unknown name.
         return TextWindows(open_documents(source, dataset_path, split), tokenizer, window, policy, retry=retry)
     folder = check_shard_folder(source, split)
-    return ShardWindows(open_shards(folder / split, tokenizer), window, policy, name=folder.name)
+    return ShardWindows(open_shards(storage.join(str(folder), split), tokenizer), window, policy,
+                        name=storage.basename(str(folder)))
 
 
 def is_dataset_name(source: str) -> bool:
@@ -55,8 +57,17 @@ def is_dataset_name(source: str) -> bool:
     return source in DATASETS or ("/" not in source and not Path(source).exists())
 
 
-def check_shard_folder(source: str, split: str) -> Path:
-    """The shard folder `source`, which must hold the `split` split; FileNotFoundError with one line if not."""
+def check_shard_folder(source: str, split: str) -> Path | str:
+    """The shard folder `source` (a path, or an object store URL), which must hold the `split` split;
+    FileNotFoundError with one line if not."""
+    if storage.is_url(source):
+        folder = source.rstrip("/")
+        if not storage.isdir(folder):
+            raise FileNotFoundError(f"shard folder {folder} does not exist or is empty (upload a folder written by "
+                                    f"python -m torchtitan.datasets.pretokenize there)")
+        if not storage.isdir(storage.join(folder, split)):
+            raise FileNotFoundError(f"shard folder {folder} has no {split}/ split")
+        return folder
     folder = Path(source)
     if not folder.is_dir():
         raise FileNotFoundError(

@@ -17,6 +17,10 @@ Opening a shard set checks every part's file sizes against its counts (a part cu
 naming it, before the first step); the first read of a part in a process checks its CRC-32 (a changed byte,
 size unchanged), so every part a rank reads is verified once, just before its first window is used. Parts
 written before the checksums existed are checked for size only.
+
+The folder may be an object store URL (`s3://bucket/shards/web/train`, components/storage.py): the sizes come
+from one listing, each window is one ranged read of its bytes, and the store's own checksums stand in for the
+per-part CRC (see _RemotePart). Upload a folder written by pretokenize as it is (e.g. `aws s3 cp --recursive`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from torchtitan.components import storage
 from torchtitan.components.tokenizer.backends import Tokenizer
 
 MANIFEST = "manifest.json"
@@ -37,6 +42,8 @@ FORMAT = "torchtitan-shards-v1"
 
 
 def is_shard_folder(path: str | os.PathLike[str]) -> bool:
+    if storage.is_url(os.fspath(path)):
+        return storage.isfile(storage.join(os.fspath(path), MANIFEST))
     return (Path(path) / MANIFEST).is_file()
 
 
@@ -80,17 +87,21 @@ def read_part_meta(folder: Path, index: int) -> dict | None:
 
 @dataclass
 class ShardSet:
-    """The token stream of a shard folder, memory-mapped; `tokens(start, n)` reads across part borders."""
+    """The token stream of a shard folder, memory-mapped; `tokens(start, n)` reads across part borders. On an
+    object store (`folder` a URL) a window is one ranged GET of the bytes it needs (nothing else is read)."""
 
-    folder: Path
+    folder: Path | str
     manifest: dict
 
     def __post_init__(self) -> None:
         dtype = np.dtype(self.manifest["dtype"])
+        self.remote = storage.is_url(str(self.folder))
+        listed = storage.file_sizes(str(self.folder)) if self.remote else None  # one listing, not one per part
         for p in self.manifest["parts"]:
-            _check_sizes(self.folder, p, dtype)
+            _check_sizes(self.folder, p, dtype, listed)
         self._parts = [
-            np.memmap(self.folder / f"{p['name']}.tokens", dtype=dtype, mode="r") if p["num_tokens"] else None
+            None if not p["num_tokens"] else _RemotePart(storage.join(str(self.folder), f"{p['name']}.tokens"), dtype)
+            if self.remote else np.memmap(self.folder / f"{p['name']}.tokens", dtype=dtype, mode="r")
             for p in self.manifest["parts"]
         ]
         self._starts = np.cumsum([0] + [p["num_tokens"] for p in self.manifest["parts"]])
@@ -106,7 +117,8 @@ class ShardSet:
         out = []
         part = int(np.searchsorted(self._starts, start, side="right")) - 1
         while count > 0:
-            _verify_content(self.folder, self.manifest["parts"][part])
+            if not self.remote:
+                _verify_content(self.folder, self.manifest["parts"][part])
             local = start - int(self._starts[part])
             chunk = self._parts[part][local : local + count] if self._parts[part] is not None else []
             out.append(np.asarray(chunk, dtype=np.int64))
@@ -114,15 +126,33 @@ class ShardSet:
         return np.concatenate(out)
 
 
-def _rewrite_hint(folder: Path, name: str) -> str:
-    return (f"rewrite it: delete {folder / name}.json and rerun the same pretokenize command (it rewrites only the "
+class _RemotePart:
+    """A part's token file on an object store, sliced like the memory map: `part[a:b]` is one ranged read.
+    The per-part CRC-32 is not checked here (it would make every rank read every part whole); the store's
+    own checksums (on upload and on every transfer) guard the bytes instead."""
+
+    def __init__(self, url: str, dtype: np.dtype):
+        self.url, self.dtype = url, dtype
+
+    def __getitem__(self, window: slice) -> np.ndarray:
+        size = self.dtype.itemsize
+        data = storage.read_range(self.url, window.start * size, window.stop * size)
+        return np.frombuffer(data, dtype=self.dtype)
+
+
+def _rewrite_hint(folder: Path | str, name: str) -> str:
+    return (f"rewrite it: delete {storage.join(str(folder), name)}.json and rerun the same pretokenize command (it rewrites only the "
             f"parts without their marker)")
 
 
-def _check_sizes(folder: Path, part: dict, dtype: np.dtype) -> None:
+def _check_sizes(folder: Path | str, part: dict, dtype: np.dtype, listed: dict[str, int] | None = None) -> None:
     for suffix, size in ((".tokens", part["num_tokens"] * dtype.itemsize), (".docs", part["num_docs"] * 8)):
-        path = folder / f"{part['name']}{suffix}"
-        actual = path.stat().st_size if path.is_file() else None
+        if listed is not None:  # on a store: the listing's sizes
+            path = storage.join(str(folder), f"{part['name']}{suffix}")
+            actual = listed.get(f"{part['name']}{suffix}")
+        else:
+            path = folder / f"{part['name']}{suffix}"
+            actual = path.stat().st_size if path.is_file() else None
         if actual != size:
             found = "is missing" if actual is None else f"has {actual} bytes, {size} were written (cut short?)"
             raise ValueError(f"shard part {path} {found}; {_rewrite_hint(folder, part['name'])}")
@@ -154,13 +184,13 @@ def _verify_content(folder: Path, part: dict) -> None:
 
 def open_shards(folder: str | os.PathLike[str], tokenizer: Tokenizer) -> ShardSet:
     """The shards at `folder`, refused in one line if missing, incomplete or from another tokenizer."""
-    folder = Path(folder)
+    folder = os.fspath(folder) if storage.is_url(os.fspath(folder)) else Path(folder)
     if not is_shard_folder(folder):
         raise FileNotFoundError(
             f"{folder} is not a shard folder (no {MANIFEST}); "
             "write one with `python -m torchtitan.datasets.pretokenize`"
         )
-    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest = storage.read_json(storage.join(str(folder), MANIFEST))
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{folder}: unknown shard format {manifest.get('format')!r} (expected {FORMAT})")
     written, ours = manifest["tokenizer"], tokenizer_fingerprint(tokenizer)

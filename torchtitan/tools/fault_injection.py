@@ -111,7 +111,10 @@ def _hook_checkpoint_writer() -> None:
     real = FileSystemWriter.write_data
 
     def write_data(self, plan, planner):
-        faults = [f for f in _FAULTS if f["kind"] in WRITE_KINDS and f"step-{f['step']}." in str(self.path)]
+        # step-N.partial on a local disk, step-N itself on an object store (no rename there)
+        path = str(self.path)
+        faults = [f for f in _FAULTS if f["kind"] in WRITE_KINDS
+                  and (f"step-{f['step']}." in path or path.rstrip("/").endswith(f"step-{f['step']}"))]
         for f in faults:
             if f["kind"] == "disk_full":
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))

@@ -19,10 +19,11 @@ import os
 import threading
 import zlib
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase, FileSystemWriter
+
+from torchtitan.components import storage
 
 SIDECAR_PREFIX = "checksums-rank-"
 ALGORITHM = "crc32"
@@ -65,45 +66,77 @@ class _HashingStream(io.RawIOBase):
         self.raw.close()
 
 
-class _ChecksummingFileSystem(FileSystem):
-    def __init__(self):
-        super().__init__()
+class _ChecksummingFileSystem(FileSystemBase):
+    """DCP's file system (the local one, or storage.StoreFileSystem for a URL) with every written stream
+    hashed on its way out."""
+
+    def __init__(self, inner: FileSystemBase):
+        self.inner = inner
         self.written: dict[str, str] = {}  # file name -> checksum, for the files this process wrote
         self._lock = threading.Lock()  # DCP may write files from several threads
 
     @contextmanager
     def create_stream(self, path, mode):
         if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
+            with self.inner.create_stream(path, mode) as stream:
                 yield stream
             return
-        with super().create_stream(path, mode) as raw:
+        with self.inner.create_stream(path, mode) as raw:
             stream = _HashingStream(raw)
             yield stream
             with self._lock:
-                self.written[Path(path).name] = format_checksum(stream.crc)
+                self.written[_name(path)] = format_checksum(stream.crc)
 
     def rename(self, path, new_path) -> None:
-        super().rename(path, new_path)  # `.metadata` is written as `.metadata.tmp`, then renamed
+        self.inner.rename(path, new_path)  # `.metadata` is written as `.metadata.tmp`, then renamed
         with self._lock:
-            if Path(path).name in self.written:
-                self.written[Path(new_path).name] = self.written.pop(Path(path).name)
+            if _name(path) in self.written:
+                self.written[_name(new_path)] = self.written.pop(_name(path))
+
+    def concat_path(self, path, suffix):
+        return self.inner.concat_path(path, suffix)
+
+    def init_path(self, path, **kwargs):
+        return self.inner.init_path(path, **kwargs)
+
+    def mkdir(self, path) -> None:
+        self.inner.mkdir(path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+    def exists(self, path) -> bool:
+        return self.inner.exists(path)
+
+    def rm_file(self, path) -> None:
+        self.inner.rm_file(path)
+
+    def ls(self, path):
+        return self.inner.ls(path)
+
+
+def _name(path) -> str:
+    return storage.basename(os.fspath(path))
 
 
 class ChecksummingWriter(FileSystemWriter):
-    """FileSystemWriter that records a CRC-32 of every file it writes (see the module docstring)."""
+    """DCP's file writer, on a local folder or a store URL, that records a CRC-32 of every file it writes (see
+    the module docstring)."""
 
     def __init__(self, path: str, rank: int):
-        super().__init__(path)
-        self.fs = _ChecksummingFileSystem()
+        remote = storage.is_url(path)
+        # On a store the upload is the durability point (fsync of the local spool would buy nothing).
+        super().__init__("/" if remote else path, sync_files=not remote)
+        self.fs = _ChecksummingFileSystem(storage.StoreFileSystem(path) if remote else FileSystem())
+        self.path = self.fs.init_path(path)
         self.rank_for_sidecar = rank
 
     def write_data(self, plan, planner):
         future = super().write_data(plan, planner)  # FileSystemWriter writes synchronously: its files are done
         data = {name: c for name, c in self.fs.written.items() if not name.startswith(".metadata")}
-        sidecar = os.path.join(str(self.path), f"{SIDECAR_PREFIX}{self.rank_for_sidecar}.json")
-        with open(sidecar, "w") as f:
-            json.dump(data, f)
+        sidecar = storage.join(str(self.path), f"{SIDECAR_PREFIX}{self.rank_for_sidecar}.json")
+        storage.write_bytes(sidecar, json.dumps(data).encode("utf-8"))
         return future
 
     def metadata_checksums(self) -> dict[str, str]:
@@ -115,18 +148,17 @@ def collect_sidecars(folder: str) -> dict[str, str]:
     """Every rank's recorded checksums (rank 0, when the manifest is written); the sidecars are removed, the
     manifest holds them from then on."""
     out: dict[str, str] = {}
-    for name in sorted(os.listdir(folder)):
+    for name in storage.listdir(folder):
         if name.startswith(SIDECAR_PREFIX) and name.endswith(".json"):
-            path = os.path.join(folder, name)
-            with open(path) as f:
-                out.update(json.load(f))
-            os.remove(path)
+            path = storage.join(folder, name)
+            out.update(storage.read_json(path))
+            storage.remove(path)
     return out
 
 
 def file_checksum(path: str) -> str:
     crc = 0
-    with open(path, "rb") as f:
+    with storage.open_read(path) as f:
         while chunk := f.read(_READ_CHUNK):
             crc = zlib.crc32(chunk, crc)
     return format_checksum(crc)
@@ -136,7 +168,7 @@ def first_mismatch(folder: str, checksums: dict[str, str], rank: int = 0, world_
     """The first of this rank's share of `checksums` (sorted names, every world_size-th from `rank`) whose
     content differs on disk: its problem line, or None."""
     for name in sorted(checksums)[rank::world_size]:
-        actual = file_checksum(os.path.join(folder, name))
+        actual = file_checksum(storage.join(folder, name))
         if actual != checksums[name]:
             return f"file {name} does not match its checksum ({actual} on disk, {checksums[name]} written): " \
                    f"its content changed after the save (bit rot, a bad copy)"

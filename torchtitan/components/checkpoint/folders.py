@@ -6,6 +6,12 @@
     {root}/export-step-N      model weights only (checkpoint.last_save): for tools, never resumed from
     {root}/versions.json      the version store: live versions (why kept, what each refers to), removals under way
     {root}/leases/            readers' holds on steps (retention leaves a held step alone)
+    {root}/latest.json        on an object store: the newest completed step (a hint where a listing lags)
+
+On an object store (`root` an fsspec URL, see components/storage.py) nothing is renamed: a save writes into
+`step-N` directly and the manifest, written last, is what makes it complete; a `step-N` without one is an
+unfinished save (skipped with a warning, replaced by a later save of that step), and retention deletes a
+manifest first. Listings are hints: the manifest and the files' own sizes decide.
 
 The manifest is written last, once every rank's files are on disk, and lists each file with its size and
 (format 2 on) its CRC-32, computed while the file was written (checkpoint_checksums.py); a folder whose files
@@ -17,7 +23,6 @@ version than FORMAT_VERSION is refused: its meaning is unknown to this code.
 import json
 import os
 import re
-import shutil
 import subprocess
 import threading
 import time
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from torchtitan.components import storage
 from torchtitan.components.checkpoint.checksums import file_checksum
 from torchtitan.tools import fault_injection
 from torchtitan.tools.logging import logger
@@ -39,21 +45,26 @@ VERSIONS = "versions.json"  # the version store: live versions, what each refers
 LEASES = "leases"  # readers' holds on steps
 CONFIG = "config.toml"
 DCP_METADATA = ".metadata"
+LATEST = "latest.json"  # {"step": N} of the newest completed save: a hint for a lagging listing
 FORMAT_VERSION = 2  # 1: sizes only (no format_version key); 2: + per-file content checksums
 
 
 def step_folder(root: str, step: int) -> str:
-    return os.path.join(root, f"step-{step}")
+    return storage.join(root, f"step-{step}")
 
 
 def export_folder(root: str, step: int) -> str:
-    return os.path.join(root, f"export-step-{step}")
+    return storage.join(root, f"export-step-{step}")
+
+
+def partial_name(final: str) -> str:
+    """Where a save of `final` is written: `final.partial` on a local disk (renamed when complete); the final
+    name itself on a store, which has no rename (the manifest, written last, is the completion marker)."""
+    return final if storage.is_url(final) else final + PARTIAL
 
 
 def _steps_named(root: str, pattern: re.Pattern) -> list[int]:
-    if not os.path.isdir(root):
-        return []
-    return sorted(int(m.group(1)) for name in os.listdir(root) if (m := pattern.match(name)))
+    return sorted(int(m.group(1)) for name in storage.listdir(root) if (m := pattern.match(name)))
 
 
 def named_steps(root: str) -> list[int]:
@@ -67,9 +78,16 @@ def export_steps(root: str) -> list[int]:
 
 
 def leftovers(root: str, suffix: str) -> list[str]:
-    if not os.path.isdir(root):
-        return []
-    return sorted(name for name in os.listdir(root) if name.endswith(suffix))
+    return [name for name in storage.listdir(root) if name.endswith(suffix)]
+
+
+def latest_pointer(root: str) -> int | None:
+    """The step the newest completed save recorded in LATEST (on a store, where a listing may lag behind the
+    writes): a hint to look at, never trusted without that step's manifest."""
+    try:
+        return int(storage.read_json(storage.join(root, LATEST))["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def code_version() -> dict:
@@ -90,22 +108,18 @@ def write_manifest(folder: str, info: dict, checksums: dict[str, str]) -> None:
     """Records every file of a finished checkpoint with its size and the checksum its writer computed (the
     completion marker). A file no writer hashed (one written by a writer of another kind) is hashed here, by
     reading it, and listed under `checksums_read_back`; the trainer's own saves list none."""
-    files = {}
-    for dirpath, _, names in os.walk(folder):
-        for name in names:
-            path = os.path.join(dirpath, name)
-            files[os.path.relpath(path, folder)] = os.path.getsize(path)
+    files = storage.file_sizes(folder)
+    # Every file a writer recorded is listed, asked for by name when the listing lacks it (a store's listing
+    # may lag behind its writes; a read by name does not).
+    files.update({name: storage.size(storage.join(folder, name)) for name in set(checksums) - set(files)})
     files.pop(MANIFEST, None)
     read_back = sorted(set(files) - set(checksums))
-    checksums = {**checksums, **{name: file_checksum(os.path.join(folder, name)) for name in read_back}}
+    checksums = {**checksums, **{name: file_checksum(storage.join(folder, name)) for name in read_back}}
     manifest = {**info, "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **code_version(), "files": files,
                 "checksums": {k: checksums[k] for k in sorted(files)}, "format_version": FORMAT_VERSION}
     if read_back:
         manifest["checksums_read_back"] = read_back
-    tmp = os.path.join(folder, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-    os.replace(tmp, os.path.join(folder, MANIFEST))
+    storage.write_json(storage.join(folder, MANIFEST), manifest)  # whole or absent: a rename locally, one PUT on a store
 
 
 def problem(folder: str, *, require_manifest: bool = True) -> str | None:
@@ -113,27 +127,27 @@ def problem(folder: str, *, require_manifest: bool = True) -> str | None:
 
     Checkpoints from elsewhere (e.g. a converted model) may lack our manifest; then only DCP's own
     `.metadata` is required and file sizes cannot be checked."""
-    if not os.path.isdir(folder):
+    if not storage.isdir(folder):
         return "no such folder"
-    manifest_path = os.path.join(folder, MANIFEST)
-    if not os.path.isfile(manifest_path):
+    manifest_path = storage.join(folder, MANIFEST)
+    try:
+        manifest = storage.read_json(manifest_path)  # one GET: an object store's reads are consistent
+        files = manifest["files"]
+    except FileNotFoundError:
         if require_manifest:
             return f"no {MANIFEST} (the save did not finish)"
-        return None if os.path.isfile(os.path.join(folder, DCP_METADATA)) else "not a DCP checkpoint (no .metadata)"
-    try:
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError) as e:
+        return None if storage.isfile(storage.join(folder, DCP_METADATA)) else "not a DCP checkpoint (no .metadata)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
         return f"unreadable {MANIFEST} ({type(e).__name__})"
     newer = newer_format(manifest)
     if newer:
         return newer
+    listed = storage.file_sizes(folder)  # one listing; a file it lacks (a lagging listing) is asked for directly
     for name, size in sorted(files.items()):
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path):
+        try:
+            actual = listed[name] if name in listed else storage.size(storage.join(folder, name))
+        except FileNotFoundError:
             return f"missing file {name}"
-        actual = os.path.getsize(path)
         if actual != size:
             return f"file {name} has {actual} bytes, {size} were written (truncated or corrupt)"
     return None
@@ -150,8 +164,7 @@ def newer_format(manifest: dict) -> str | None:
 
 
 def read_manifest(folder: str) -> dict:
-    with open(os.path.join(folder, MANIFEST)) as f:
-        return json.load(f)
+    return storage.read_json(storage.join(folder, MANIFEST))
 
 
 @dataclass
@@ -164,7 +177,13 @@ def choose_resume_step(root: str, content_problem=None) -> ResumeChoice:
     """The newest usable checkpoint; the newer unusable ones are reported, not touched. `content_problem`
     (folder -> problem or None) judges the content of a folder whose files have the recorded sizes."""
     skipped = {}
-    for step in reversed(named_steps(root)):
+    steps = set(named_steps(root))
+    pointer = latest_pointer(root)
+    if pointer is not None and pointer not in steps:
+        # The listing lacks the newest save (a store's listing can lag): its manifest, read directly, decides.
+        logger.info(f"{root}: the listing lacks step-{pointer}, which {LATEST} names; judging it by its manifest")
+        steps.add(pointer)
+    for step in sorted(steps, reverse=True):
         why = problem(step_folder(root, step))
         if why is None and content_problem is not None:
             why = content_problem(step_folder(root, step))
@@ -201,27 +220,22 @@ def read_store(root: str) -> dict:
     version that shares files (e.g. frozen weights saved once) lists the shared path too, and a path is deleted
     only when no live version refers to it, so sharing needs no new format."""
     try:
-        with open(os.path.join(root, VERSIONS)) as f:
-            return json.load(f)
+        return storage.read_json(storage.join(root, VERSIONS))
     except (OSError, ValueError):
         return {"format": 1, "versions": {}, "removing": []}
 
 
 def _write_store(root: str, store: dict) -> None:
-    tmp = os.path.join(root, VERSIONS + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(store, f, indent=1, sort_keys=True)
-    os.replace(tmp, os.path.join(root, VERSIONS))  # whole or absent: the intent survives a kill
+    storage.write_json(storage.join(root, VERSIONS), store)  # whole or absent: the intent survives a kill
 
 
 def leases(root: str) -> set[int]:
     """Steps a reader holds (`hold`): never removed while held."""
-    folder = os.path.join(root, LEASES)
+    folder = storage.join(root, LEASES)
     held = set()
-    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+    for name in storage.listdir(folder):
         try:
-            with open(os.path.join(folder, name)) as f:
-                held.add(int(json.load(f)["step"]))
+            held.add(int(storage.read_json(storage.join(folder, name))["step"]))
         except (OSError, ValueError, KeyError):
             continue
     return held
@@ -230,15 +244,33 @@ def leases(root: str) -> set[int]:
 @contextmanager
 def hold(root: str, step: int):
     """A reader's lease on `step` (e.g. an evaluation job reading it): retention leaves it alone meanwhile."""
-    folder = os.path.join(root, LEASES)
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"{os.getpid()}-{threading.get_ident()}-{step}.json")
-    with open(path, "w") as f:
-        json.dump({"step": step, "pid": os.getpid()}, f)
+    folder = storage.join(root, LEASES)
+    storage.makedirs(folder)
+    path = storage.join(folder, f"{os.getpid()}-{threading.get_ident()}-{step}.json")
+    storage.write_json(path, {"step": step, "pid": os.getpid()})
     try:
         yield
     finally:
-        os.remove(path)
+        storage.remove(path)
+
+
+def _retire(folder: str) -> None:
+    """Makes a complete checkpoint incomplete for good, before its files go: locally renamed to `.reclaiming`;
+    on a store (no rename) its manifest is deleted first, so a removal cut short leaves a folder that can
+    never be taken for a checkpoint."""
+    if storage.is_url(folder):
+        storage.remove(storage.join(folder, MANIFEST))
+    else:
+        os.replace(folder, folder + RECLAIMING)
+
+
+def _retired(root: str, removing: list[str]) -> list[str]:
+    """The folders whose removal is under way: `.reclaiming` ones locally; on a store, those the intent names
+    that have no manifest (protected ones kept theirs)."""
+    if not storage.is_url(root):
+        return [storage.join(root, name) for name in leftovers(root, RECLAIMING)]
+    folders = [storage.join(root, name) for name in removing]
+    return [f for f in folders if not storage.isfile(storage.join(f, MANIFEST))]
 
 
 class Reclaimer:
@@ -247,7 +279,8 @@ class Reclaimer:
     A pass lists the complete, valid checkpoints, keeps the ones the Retention keeps plus the newest, the
     `protect`ed ones (the step just saved, the one loaded) and those a reader holds, and removes the rest:
     first the store is rewritten with the live versions and the doomed ones under "removing" (the intent),
-    then each doomed folder is renamed to `.reclaiming` (it can never look complete again) and deleted, then
+    then each doomed folder is retired (renamed to `.reclaiming`, or on a store its manifest deleted: it can
+    never look complete again) and deleted, then
     the intent is cleared. `recover` (at the next start) finishes an interrupted removal, or undoes the part of
     it that would touch a step now protected. Corrupt folders are never counted nor removed, and `.partial`
     ones (a save in flight) are not versions at all."""
@@ -273,13 +306,13 @@ class Reclaimer:
         store = read_store(self.root)
         pending = store.get("removing", [])
         for name in pending:
-            folder = os.path.join(self.root, name)
+            folder = storage.join(self.root, name)
             m = STEP_DIR.match(name)
-            if os.path.isdir(folder) and not (m and int(m.group(1)) in protect):
-                os.replace(folder, folder + RECLAIMING)
-        for name in leftovers(self.root, RECLAIMING):
-            logger.info(f"Checkpoint retention: finishing the interrupted removal of {name}")
-            shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+            if storage.isdir(folder) and not (m and int(m.group(1)) in protect):
+                _retire(folder)
+        for folder in _retired(self.root, pending):
+            logger.info(f"Checkpoint retention: finishing the interrupted removal of {storage.basename(folder)}")
+            storage.remove_tree(folder)
         if pending:
             store["removing"] = []
             _write_store(self.root, store)
@@ -295,22 +328,22 @@ class Reclaimer:
                  "versions": {f"step-{s}": {"step": s, "kept_as": why, "refs": [f"step-{s}"]} for s, why in
                               sorted(live.items())}}
         referenced = {r for v in store["versions"].values() for r in v["refs"]}
-        if not doomed and not os.path.isfile(os.path.join(self.root, VERSIONS)):
+        if not doomed and not storage.isfile(storage.join(self.root, VERSIONS)):
             return  # nothing removed yet: the store is written by the first pass that removes something
         _write_store(self.root, store)
         for step in doomed:
             folder = step_folder(self.root, step)
-            if os.path.basename(folder) in referenced:
+            if storage.basename(folder) in referenced:
                 continue  # a live version still refers to it
             try:
-                os.replace(folder, folder + RECLAIMING)
+                _retire(folder)
             except OSError as e:
                 logger.warning(f"Checkpoint retention: could not remove {folder}: {e}")
                 continue
             fault_injection.removal_point(step)
             logger.info(f"Checkpoint retention (keep_latest_k={self.retention.keep_latest}, keep_every_n_steps="
                         f"{self.retention.every}, keep_steps={sorted(self.retention.steps)}): removing {folder}")
-        for name in leftovers(self.root, RECLAIMING):
-            shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        for folder in _retired(self.root, store["removing"]):
+            storage.remove_tree(folder)
         store["removing"] = []
         _write_store(self.root, store)

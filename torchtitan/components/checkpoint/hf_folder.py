@@ -11,7 +11,9 @@ at most PART_BYTES, under `<folder>/sharded/<file>/`; then torch's DCP consolida
 parts of each output file, one tensor at a time, on the rank that owns that file. The output has
 save_pretrained's layout: `model.safetensors`, or `model-0000i-of-0000n.safetensors` + the index when the
 size limit splits it, with config.json, generation_config.json and the tokenizer files. Peak memory per
-rank: its slices (1/N of the model) + one part + one whole tensor (consolidation), plus a constant.
+rank: its slices (1/N of the model) + one part + one whole tensor (consolidation), plus a constant. `folder`
+may be an object store URL (components/storage.py): the same steps run in a local scratch folder per rank,
+with each rank uploading what it wrote (write_hf_weights).
 """
 
 import json
@@ -19,6 +21,7 @@ import math
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -29,6 +32,7 @@ from torch.distributed.checkpoint._consolidate_hf_safetensors import _consolidat
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from torchtitan.components import storage
 from torchtitan.protocols.state_dict_adapter import HFLayout, StateDictAdapter
 
 INDEX = "model.safetensors.index.json"
@@ -338,8 +342,18 @@ def _blocks_whole(t: DTensor, block: int) -> bool:
 
 
 def check_output_folder(folder: str) -> None:
+    if storage.is_url(folder):
+        if storage.listdir(folder):
+            raise HFFolderError(f"{folder} exists and is not empty; choose another output folder or remove it")
+        return
     if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
         raise HFFolderError(f"{folder} exists and is not empty; choose another output folder or remove it")
+
+
+def _upload_tree(local: str, url: str) -> None:
+    """Uploads the files under a local folder (this rank's own) to the same names under `url`."""
+    for rel in sorted(storage.file_sizes(local)):
+        storage.upload_file(os.path.join(local, rel), storage.join(url, *rel.split(os.sep)))
 
 
 def write_hf_weights(
@@ -351,31 +365,49 @@ def write_hf_weights(
 ) -> list[str]:
     """Writes HF tensors of global `shapes` (every rank passes the same dict) from this rank's `chunks`
     (HF name, slice, offsets) into `folder` as save_pretrained lays them out; collective when a process
-    group exists. Returns the safetensors file names."""
+    group exists. Returns the safetensors file names. On an object store (`folder` a URL) each rank works in
+    a local scratch folder: it uploads its own parts, the rank that stitches an output file downloads that
+    file's parts, stitches them locally and uploads the result (per-rank traffic: its slices + its files)."""
     rank, world = _rank_world()
     files = plan_files(shapes, dtype, max_shard_bytes)
-    sharded = os.path.join(folder, "sharded")
-    writer = _PartWriter(sharded, files, f"rank{rank:05d}")
-    for key, t, offsets in chunks:
-        writer.add(key, t.detach().to(device="cpu", dtype=dtype), offsets)
-    writer.flush()
-    if dist.is_initialized():
-        dist.barrier()
-    names = sorted(set(files.values()))
-    for i, name in enumerate(names):
-        if i % world == rank:  # each output file is stitched by one rank, one tensor at a time
-            mapping = {k: name for k, f in files.items() if f == name}
-            _consolidate_safetensors_files(os.path.join(sharded, name), folder, mapping, num_threads=1)
-    if dist.is_initialized():
-        dist.barrier()
-    if rank == 0:
-        shutil.rmtree(sharded)
-        if len(names) > 1:
-            size = torch.finfo(dtype).bits // 8
-            total = sum(math.prod(s) * size for s in shapes.values())
-            with open(os.path.join(folder, INDEX), "w") as f:
-                json.dump({"metadata": {"total_size": total},
-                           "weight_map": {k: files[k] for k in sorted(files, key=_natural)}}, f, indent=2)
+    remote = storage.is_url(folder)
+    work = tempfile.mkdtemp(prefix="torchtitan-hf-") if remote else folder
+    try:
+        sharded = os.path.join(work, "sharded")
+        writer = _PartWriter(sharded, files, f"rank{rank:05d}")
+        for key, t, offsets in chunks:
+            writer.add(key, t.detach().to(device="cpu", dtype=dtype), offsets)
+        writer.flush()
+        if remote and os.path.isdir(sharded):
+            _upload_tree(sharded, storage.join(folder, "sharded"))
+        if dist.is_initialized():
+            dist.barrier()
+        names = sorted(set(files.values()))
+        for i, name in enumerate(names):
+            if i % world == rank:  # each output file is stitched by one rank, one tensor at a time
+                mapping = {k: name for k, f in files.items() if f == name}
+                if remote:
+                    shutil.rmtree(os.path.join(sharded, name), ignore_errors=True)
+                    storage.copy_out(storage.join(folder, "sharded", name), os.path.join(sharded, name))
+                _consolidate_safetensors_files(os.path.join(sharded, name), work, mapping, num_threads=1)
+                if remote:
+                    storage.upload_file(os.path.join(work, name), storage.join(folder, name))
+        if dist.is_initialized():
+            dist.barrier()
+        if rank == 0:
+            if remote:
+                storage.remove_tree(storage.join(folder, "sharded"))
+            else:
+                shutil.rmtree(sharded)
+            if len(names) > 1:
+                size = torch.finfo(dtype).bits // 8
+                total = sum(math.prod(s) * size for s in shapes.values())
+                index = {"metadata": {"total_size": total},
+                         "weight_map": {k: files[k] for k in sorted(files, key=_natural)}}
+                storage.write_bytes(storage.join(folder, INDEX), json.dumps(index, indent=2).encode("utf-8"))
+    finally:
+        if remote:
+            shutil.rmtree(work, ignore_errors=True)
     return names
 
 
@@ -414,13 +446,20 @@ def save_hf_folder(
     config = adapter_cls.to_hf_config(args, dtype)  # refuses an args the HF architecture cannot express, early
     shapes = model_hf_shapes(adapter, state_dict)
     if rank == 0:
-        os.makedirs(folder, exist_ok=True)
+        storage.makedirs(folder)
     if dist.is_initialized():
         dist.barrier()
     chunks = (c for key, t in state_dict.items() for c in hf_chunks(adapter, key, t))
     write_hf_weights(chunks, shapes, folder, dtype, max_shard_bytes)
     if rank == 0:
-        write_hf_metadata(folder, config, tokenizer)
+        if storage.is_url(folder):  # written locally, then uploaded; config.json last (what marks it complete)
+            with tempfile.TemporaryDirectory(prefix="torchtitan-hf-") as work:
+                write_hf_metadata(work, config, tokenizer)
+                names = sorted(storage.file_sizes(work), key=lambda n: n == "config.json")
+                for name in names:
+                    storage.upload_file(os.path.join(work, name), storage.join(folder, name))
+        else:
+            write_hf_metadata(folder, config, tokenizer)
 
 
 def write_hf_metadata(folder: str, config: dict, tokenizer=None) -> None:
@@ -430,8 +469,8 @@ def write_hf_metadata(folder: str, config: dict, tokenizer=None) -> None:
     if tokenizer is not None:
         config = {**config, "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
         save_hf_tokenizer(tokenizer, folder)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
     with open(os.path.join(folder, "generation_config.json"), "w") as f:
         json.dump(generation, f, indent=2)
+    with open(os.path.join(folder, "config.json"), "w") as f:  # last: a folder with config.json is complete
+        json.dump(config, f, indent=2)

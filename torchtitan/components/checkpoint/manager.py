@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from torchtitan.components import storage
 from torchtitan.components.checkpoint import checksums
 from torchtitan.components.checkpoint import folders
 from torchtitan.components.checkpoint.hf_folder import load_hf_into, save_hf_folder
@@ -41,6 +42,8 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.precision import DTYPES
 from torchtitan.tools.restart import record_progress
 
+
+RUN_RECORD = "run"  # on a store: the run's metrics.jsonl and resolved config.toml, beside the checkpoints
 
 # DCP's CheckpointException derives from BaseException, so `except Exception` alone would miss it.
 DCP_ERRORS = (Exception, dcp.CheckpointException)
@@ -154,6 +157,9 @@ def load_full_state_dict(model_parts: list[nn.Module], full_sd: dict, strict: bo
 
 
 def checkpoint_root(cfg: JobConfig) -> str:
+    """`{dump_folder}/{folder}`, or `folder` itself when it is an object store URL (s3://bucket/run/ckpt)."""
+    if storage.is_url(cfg.checkpoint.folder):
+        return cfg.checkpoint.folder.rstrip("/")
     return os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
 
 
@@ -183,16 +189,16 @@ def saved_optimizer(path: str) -> str | None:
     """The optimizer name in a checkpoint folder's config.toml; None when the folder has no readable one
     (a checkpoint from elsewhere)."""
     try:
-        with open(os.path.join(path, folders.CONFIG), "rb") as f:
-            name = tomllib.load(f).get("optimizer", {}).get("name")
-    except (OSError, tomllib.TOMLDecodeError):
+        text = storage.read_bytes(storage.join(path, folders.CONFIG)).decode("utf-8")
+        name = tomllib.loads(text).get("optimizer", {}).get("name")
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
         return None
     return name if isinstance(name, str) else None
 
 
 def read_dcp_metadata(path: str):
     try:
-        return dcp.FileSystemReader(path).read_metadata()
+        return storage.dcp_reader(path).read_metadata()
     except DCP_ERRORS as e:  # a truncated or foreign .metadata raises pickle/EOF errors of many kinds
         raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {_first_line(e)}") from e
 
@@ -216,15 +222,19 @@ def finish_folder(
 ) -> None:
     """Completes a written checkpoint (rank 0, after every rank's files are on disk): the resolved config (when
     there is one) and the manifest go beside the DCP files, with the checksums the ranks' writers recorded
-    (`written`: the coordinator's own, e.g. `.metadata`), then the folder gets its final name atomically."""
+    (`written`: the coordinator's own, e.g. `.metadata`), then the folder gets its final name atomically. On a
+    store `partial` is `final`: the manifest, one PUT written last, is the commit; LATEST names it after."""
     sums = {**(written or {}), **checksums.collect_sidecars(partial)}
     if cfg is not None:
         text = to_toml(cfg).encode("utf-8")
-        with open(os.path.join(partial, folders.CONFIG), "wb") as f:
-            f.write(text)
+        storage.write_bytes(storage.join(partial, folders.CONFIG), text)
         sums[folders.CONFIG] = checksums.format_checksum(zlib.crc32(text))
     folders.write_manifest(partial, info, sums)
-    os.replace(partial, final)
+    if partial != final:
+        os.replace(partial, final)
+    elif info.get("kind") == "full":
+        root = final.rstrip("/").rsplit("/", 1)[0]
+        storage.write_json(storage.join(root, folders.LATEST), {"step": info["step"]})
 
 
 def content_problem(folder: str) -> str | None:
@@ -242,10 +252,11 @@ def write_model_checkpoint(
 ) -> None:
     """A model-only checkpoint from one process (seed checkpoint, converted Hugging Face weights); `cfg` is
     the job it belongs to, None when the weights come from elsewhere."""
-    if os.path.exists(final):
+    if storage.exists(final):
         raise CheckpointError(f"{final} already exists; remove it or choose another output folder")
-    partial = final + folders.PARTIAL
-    os.makedirs(os.path.dirname(os.path.abspath(final)), exist_ok=True)
+    partial = folders.partial_name(final)
+    if not storage.is_url(final):
+        os.makedirs(os.path.dirname(os.path.abspath(final)), exist_ok=True)
     writer = checksums.ChecksummingWriter(partial, rank=0)
     dcp.save({"model": state_dict}, checkpoint_id=partial, storage_writer=writer, no_dist=True)
     finish_folder(partial, final, cfg, {**info, "kind": "model"}, writer.metadata_checksums())
@@ -379,7 +390,7 @@ class CheckpointManager:
         path = self.ckpt.initial_load_path
         if not path:
             return False
-        if not os.path.isdir(path):
+        if not storage.isdir(path):
             raise CheckpointError(f"--checkpoint.initial_load_path {path}: no such folder")
         if self.ckpt.initial_load_in_hf:
             self._load_hf(path)
@@ -467,7 +478,8 @@ class CheckpointManager:
             expected = {k: v.shape for k, v in states["model"].state_dict().items()}  # DTensors: global shapes
             check_shapes(f"checkpoint {path}", saved_model, expected, exact=whole_model)
         try:
-            dcp.load({k: states[k] for k in keys}, checkpoint_id=path, no_dist=not dist.is_initialized())
+            dcp.load({k: states[k] for k in keys}, checkpoint_id=path, storage_reader=storage.dcp_reader(path),
+                     no_dist=not dist.is_initialized())
         except DCP_ERRORS as e:  # DCP raises many types; the user needs the folder and the cause
             raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: {_first_line(e)}") from e
 
@@ -518,14 +530,15 @@ class CheckpointManager:
 
     def _write_hf(self, step: int) -> None:
         """A Hub-ready Hugging Face folder `hf-step-N`, written by every rank from its own shards
-        (hf_folder.save_hf_folder), under a .partial name until complete."""
+        (hf_folder.save_hf_folder), under a .partial name until complete; on a store under its own name, its
+        config.json (written last) marking it complete."""
         if self.hf_adapter is None:
             raise CheckpointError(f"--checkpoint.last_save {self.ckpt.last_save}: model {self.cfg.model.name} has no Hugging Face adapter")
         self.wait()
-        final = os.path.join(self.root, f"hf-step-{step}")
-        partial = final + folders.PARTIAL
+        final = storage.join(self.root, f"hf-step-{step}")
+        partial = folders.partial_name(final)
         if self.rank == 0:
-            self._clear_name(partial, final)
+            self._clear_name(partial, final, marker="config.json")
         if dist.is_initialized():
             dist.barrier()
         try:
@@ -535,13 +548,14 @@ class CheckpointManager:
         except DCP_ERRORS as e:
             raise CheckpointError(f"save of {final} failed: {type(e).__name__}: {_first_line(e)}") from e
         if self.rank == 0:
-            os.replace(partial, final)
+            if partial != final:
+                os.replace(partial, final)
             logger.info(f"Saved Hugging Face folder {final} (loads with transformers' from_pretrained)")
 
     def _write(self, final: str, states: dict, step: int, kind: str) -> None:
         t0 = time.perf_counter()
         self.wait()  # at most one save in flight
-        partial = final + folders.PARTIAL
+        partial = folders.partial_name(final)
         if self.rank == 0:
             self._clear_name(partial, final)
         if dist.is_initialized():
@@ -566,8 +580,22 @@ class CheckpointManager:
             self._finish(partial, final, {**info, "mode": "sync"}, writer)
             self.last_blocking_s = time.perf_counter() - t0
 
-    def _clear_name(self, partial: str, final: str) -> None:
-        """Makes room for a new save of this step; nothing usable is deleted."""
+    def _clear_name(self, partial: str, final: str, marker: str = folders.MANIFEST) -> None:
+        """Makes room for a new save of this step; nothing usable is deleted. On a store, `marker` is the file
+        whose presence makes the folder complete (the manifest; config.json for a Hugging Face folder)."""
+        if storage.is_url(final):
+            # No rename on a store: an unfinished save of this step (no manifest) is deleted; a complete one (an
+            # earlier run's, e.g. refused as corrupt) is copied aside server-side, then its manifest deleted
+            # first, so that no moment shows two complete copies under step names or none at all.
+            if storage.isfile(storage.join(final, marker)):
+                aside = f"{final}.old-{time.strftime('%Y%m%d-%H%M%S')}"
+                logger.warning(f"{final} exists (an earlier run's save of this step); copying it to {aside}")
+                storage.copy_tree(final, aside)
+                storage.remove(storage.join(final, marker))
+            if storage.isdir(final):
+                logger.warning(f"Replacing {final}, the unfinished save of an interrupted run")
+                storage.remove_tree(final)
+            return
         if os.path.exists(partial):
             logger.warning(f"Replacing {partial}, the unfinished save of an interrupted run")
             shutil.rmtree(partial)
@@ -582,9 +610,23 @@ class CheckpointManager:
             if info["kind"] == "full":
                 logger.info(f"Saved checkpoint {final}")
                 record_progress(saved=info["step"])
+                self._mirror_run_record()
                 self._reclaimer.start(protect={info["step"]})
             else:
                 logger.info(f"Saved model-only export {final} (weights for generation and conversion; not resumable)")
+
+    def _mirror_run_record(self) -> None:
+        """On a store, the run folder's record (metrics.jsonl, the resolved config.toml) is copied beside the
+        checkpoints (`{root}/run/`) at every save, so it outlives the nodes; a failure here is only a warning."""
+        if not storage.is_url(self.root):
+            return
+        for name in ("metrics.jsonl", "config.toml"):
+            local = os.path.join(self.cfg.job.dump_folder, name)
+            if os.path.isfile(local):
+                try:
+                    storage.upload_file(local, storage.join(self.root, RUN_RECORD, name))
+                except OSError as e:
+                    logger.warning(f"Could not copy {local} to {self.root}/{RUN_RECORD}/: {e}")
 
     def _poll(self) -> None:
         """Completes a background save that has finished, so it becomes visible (and survives a kill) early."""
