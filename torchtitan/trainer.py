@@ -85,6 +85,9 @@ class Trainer:
         self.spec, self.tokenizer, self.model_args = plan.spec, plan.tokenizer, plan.model_args
         model_line = model_summary(cfg, self.model_args, self.tokenizer)  # before pinning rewrites the source
         pin_model_shape(cfg, self.model_args)  # checkpoints' config.toml rebuild this shape without hf_config
+        if plan.moe_balancing is not None:  # ... and train with this balancing, which hf_config may have chosen
+            b = plan.moe_balancing
+            cfg.moe.load_balance_coeff, cfg.moe.router_aux_loss_coef = b.load_balance_coeff, b.router_aux_loss_coef
         self.parallel_dims, self.global_batch_size, self.grad_accum = (
             plan.parallel_dims, plan.global_batch_size, plan.grad_accum
         )
@@ -114,6 +117,8 @@ class Trainer:
             f"{model_line}: {self.num_params:,} parameters "
             f"({non_embedding:,} non-embedding), {self.flops_per_token / 1e9:.3f} GFLOP/token (train)"
         )
+        if plan.moe_balancing is not None:
+            logger.info(f"MoE router balancing: {plan.moe_balancing.why}")
         self.loss_fn = self.spec.build_loss_fn(cfg)
         self.mtp_weight = mtp_settings(model)[1]  # multi-token prediction's lambda (0 without it)
         self.pipeline = None
