@@ -151,12 +151,14 @@ def _check_hf_saves(cfg: JobConfig, spec: TrainSpec, model_args: object, model: 
                          f"adapter: keep --checkpoint.last_save full (or full_and_export) and drop hf_interval")
     moe = getattr(model_args, "moe", None)
     if moe is not None and moe.load_balance_coeff > 0 and not adapter_cls.HF_KEEPS_EXPERT_BIAS:
-        aux = (f"--moe.router_aux_loss_coef {moe.router_aux_loss_coef}" if moe.router_aux_loss_coef > 0
-               else "--moe.router_aux_loss_coef 0.001 (transformers' load-balancing loss)")
+        aux = (" (under pipeline parallel transformers' load-balancing loss cannot run: the routers go unbalanced)"
+               if cfg.parallelism.pipeline_parallel_degree > 1
+               else f" and --moe.router_aux_loss_coef {moe.router_aux_loss_coef}" if moe.router_aux_loss_coef > 0
+               else " and --moe.router_aux_loss_coef 0.001 (transformers' load-balancing loss)")
         raise ValueError(
             f"{saves[0]} writes a Hugging Face {cfg.model.name} folder, whose router has no balancing bias, and "
             f"--moe.load_balance_coeff {moe.load_balance_coeff} moves that bias from the first step (the export "
-            f"would fail after training): balance as that format does with --moe.load_balance_coeff 0 and {aux}, "
+            f"would fail after training): balance as that format does with --moe.load_balance_coeff 0{aux}, "
             f"or save without hf (--checkpoint.last_save full)"
         )
     try:
