@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.components.checkpoint import manager as ckpt
@@ -285,7 +286,7 @@ class Trainer:
                                                           self.mtp_weight)
                 self._mtp_sums = _add(self._mtp_sums, mtp_sums)
                 if out.aux_loss is not None:
-                    token_loss = token_loss + out.aux_loss
+                    token_loss = add_aux_loss(token_loss, out.aux_loss)
                 loss = token_loss / global_tokens
                 loss.backward()
                 if source_ids is not None:
@@ -533,3 +534,15 @@ def _to_device(batch, device: torch.device):
     if isinstance(batch, dict):
         return {k: _to_device(v, device) for k, v in batch.items()}
     return tuple(_to_device(x, device) for x in batch)
+
+
+def add_aux_loss(token_loss: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+    """The token loss plus the model's balance loss (both sums over tokens). Under loss parallel the token
+    loss is a DTensor replicated over the tp ranks, while each tp rank's balance loss is that of its own
+    sequence shard (an MoE layer routes its shard), a plain tensor: it joins as a Partial DTensor, the sum
+    over the shards, which is also what the step logs. (Added as a plain tensor it passed forward as an
+    implicitly replicated scalar and failed in backward: mixed torch.Tensor and DTensor.)"""
+    if isinstance(token_loss, DTensor):
+        mesh = token_loss.device_mesh
+        aux_loss = DTensor.from_local(aux_loss, mesh, [Partial()] * mesh.ndim, run_check=False)
+    return token_loss + aux_loss
