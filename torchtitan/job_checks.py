@@ -54,6 +54,7 @@ _RULES = {
     "training.source_retry_backoff_s": _non_negative_number(),
     "training.loss_chunk_size": _minus_one_or_at_least(1, "auto"),
     "memory.budget_gib": ((lambda v: math.isfinite(v) and v >= 0), "0 (no budget) or a positive number of GiB"),
+    "memory.host_gib": ((lambda v: math.isfinite(v) and v >= 0), "0 (this machine's RAM) or a positive number of GiB"),
     "memory.offload_bandwidth_gbps": ((lambda v: math.isfinite(v) and v >= 0),
                                       "0 (the stated default) or a positive number"),
     "validation.freq": _at_least(1),

@@ -6,7 +6,9 @@ model and flavor, the tokenizer, the layout against the world size, the shapes e
 (declared by the model args' `divisible_by`), a Hugging Face folder to start from (its config against the model,
 its weights' shapes against its config), the batch and sequence divisibility, compile, activation
 checkpointing, the optimizer settings (Muon), the model converters (Float8), whether the attention kernels the
-layout runs compute the kinds the model asks (sliding windows, sinks) and the pipeline plan.
+layout runs compute the kinds the model asks (sliding windows, sinks), the pipeline plan, and every Hugging Face
+save the run asks for (a format that cannot hold the trained model fails at the end of the run otherwise).
+It also resolves how an MoE model balances its routers (components/moe/args.py resolve_moe_balancing).
 """
 
 import dataclasses
@@ -17,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from torchtitan.components.checkpoint.hf_folder import check_weight_shapes, weight_shapes
+from torchtitan.components.moe.args import MoEBalancing, resolve_moe_balancing
 from torchtitan.components.optim.muon import check_muon_config
 from torchtitan.components.quantization import ModelConverters, build_model_converters
 from torchtitan.config import JobConfig
@@ -32,7 +35,7 @@ from torchtitan.distributed.pipeline import PipelinePlan, plan_model_pipeline
 from torchtitan.job_checks import check_job_values
 from torchtitan.models.common.attention import check_attention_kernels
 from torchtitan.protocols.model_shape import resolve_model
-from torchtitan.protocols.train_spec import TrainSpec
+from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
 from torchtitan.tools.precision import Precision, resolve_precision
 
 
@@ -54,6 +57,9 @@ class JobPlan:
     """The dtypes the job trains in on its device ("auto" resolved)."""
     compile_choice: CompileChoice
     """Whether the blocks compile (`compile.auto` resolved into cfg.compile) and why, for the log."""
+    moe_balancing: MoEBalancing | None = None
+    """An MoE model's router balancing (the `moe` section's, resolved into model_args.moe) and why, for the
+    log; None for a dense model."""
 
 
 def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -> JobPlan:
@@ -62,7 +68,10 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
     Raises one of torchtitan.errors.USER_ERRORS with one clear line. No process group is needed.
     """
     check_job_values(cfg)
-    spec, tokenizer, model_args = resolve_model(cfg, tokenizer)
+    model_cfg, balancing = _with_moe_balancing(cfg)
+    spec, tokenizer, model_args = resolve_model(model_cfg, tokenizer)
+    if getattr(model_args, "moe", None) is None:
+        balancing = None  # e.g. a dense Qwen3.5
     pd = parallel_dims_from_config(cfg.parallelism, world_size)
     pd.check_model(model_args.divisible_by())
     par = cfg.parallelism
@@ -82,6 +91,7 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
     with torch.device("meta"):
         model = spec.model_cls(model_args)
     _check_hf_initial_load(cfg, spec, model_args, model)
+    _check_hf_saves(cfg, spec, model_args, model)
     # Cast on meta: init_weights then rebuilds derived fp32 buffers (e.g. the RoPE table) at full precision.
     model.to(precision.param)
     converters = build_model_converters(cfg, pd, torch.device(device_type))
@@ -104,7 +114,62 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
             raise LayoutError(f"model {cfg.model.name} does not support pipeline parallel")
         pipeline_plan = plan_model_pipeline(model, pd, cfg)
     return JobPlan(spec, tokenizer, model_args, pd, global_bs, accum, model, converters, pipeline_plan, precision,
-                   compile_choice)
+                   compile_choice, balancing)
+
+
+def _with_moe_balancing(cfg: JobConfig) -> tuple[JobConfig, MoEBalancing | None]:
+    """`cfg` with its `moe` section's balancing resolved (a copy; the user's config keeps what was set), for
+    the model args; unchanged without a `moe` section."""
+    if getattr(cfg, "moe", None) is None:
+        return cfg, None
+    adapter = get_train_spec(cfg.model.name).state_dict_adapter
+    balancing = resolve_moe_balancing(cfg, adapter is None or adapter.HF_KEEPS_EXPERT_BIAS)
+    moe = dataclasses.replace(cfg.moe, load_balance_coeff=balancing.load_balance_coeff,
+                              router_aux_loss_coef=balancing.router_aux_loss_coef)
+    return dataclasses.replace(cfg, moe=moe), balancing
+
+
+def _hf_saves(cfg: JobConfig) -> list[str]:
+    """The options of a job that write a Hugging Face folder (hf-step-N) from the trained model."""
+    c = cfg.checkpoint
+    saves = [f"--checkpoint.last_save {c.last_save}"] if c.enable and c.last_save in ("full_and_hf", "hf_only") else []
+    return saves + ([f"--checkpoint.hf_interval {c.hf_interval}"] if c.hf_interval else [])
+
+
+def _check_hf_saves(cfg: JobConfig, spec: TrainSpec, model_args: object, model: nn.Module) -> None:
+    """Every Hugging Face folder the run would write must be writable at its end, judged now instead of
+    after the training: the family has an adapter, the format can express the model's args (to_hf_config) and
+    name each of its tensors (the adapter's hf_layout of the converted model's state dict, as the save does),
+    and a format without a slot for the routers' balancing bias is not asked to hold a moved one
+    (--moe.load_balance_coeff > 0 moves it from the first step on)."""
+    saves = _hf_saves(cfg)
+    if not saves:
+        return
+    adapter_cls = spec.state_dict_adapter
+    if adapter_cls is None:
+        raise ValueError(f"{saves[0]} writes a Hugging Face folder, and model {cfg.model.name} has no Hugging Face "
+                         f"adapter: keep --checkpoint.last_save full (or full_and_export) and drop hf_interval")
+    moe = getattr(model_args, "moe", None)
+    if moe is not None and moe.load_balance_coeff > 0 and not adapter_cls.HF_KEEPS_EXPERT_BIAS:
+        aux = (" (under pipeline parallel transformers' load-balancing loss cannot run: the routers go unbalanced)"
+               if cfg.parallelism.pipeline_parallel_degree > 1
+               else f" and --moe.router_aux_loss_coef {moe.router_aux_loss_coef}" if moe.router_aux_loss_coef > 0
+               else " and --moe.router_aux_loss_coef 0.001 (transformers' load-balancing loss)")
+        raise ValueError(
+            f"{saves[0]} writes a Hugging Face {cfg.model.name} folder, whose router has no balancing bias, and "
+            f"--moe.load_balance_coeff {moe.load_balance_coeff} moves that bias from the first step (the export "
+            f"would fail after training): balance as that format does with --moe.load_balance_coeff 0{aux}, "
+            f"or save without hf (--checkpoint.last_save full)"
+        )
+    try:
+        adapter_cls.to_hf_config(model_args)
+        adapter = adapter_cls(model_args)
+        for key, t in model.state_dict().items():
+            adapter.hf_layout(key, t.shape)
+    except (ValueError, KeyError, NotImplementedError) as e:
+        why = e.args[0] if isinstance(e, KeyError) and e.args else e  # str(KeyError) quotes its message
+        raise ValueError(f"{saves[0]} writes a Hugging Face folder this model does not fit: {why}; keep "
+                         f"--checkpoint.last_save full and drop hf_interval") from e
 
 
 def _check_hf_initial_load(cfg: JobConfig, spec: TrainSpec, model_args: object, model: nn.Module) -> None:

@@ -2,7 +2,7 @@
 
     python -m torchtitan.plan --model llama3 --flavor 8B --devices 8 --device-type H100-80GB \
         --seq-len 8192 --global-batch-size 16 [--top 3] [--mfu 0.5] [--memory-headroom 0.1] [--float8 [--float8-all-gather]] [--async-tp] [--compile]
-        [--memory-budget-gib 40 [--offload-bandwidth-gbps 20]]
+        [--memory-budget-gib 40 [--offload-bandwidth-gbps 20] [--host-gib 1024]]
 
 Prints the fastest layouts that fit, each with its predicted throughput, where the time goes, its peak
 memory, and the TOML to paste into a recipe. See docs/planning.md for the model and its assumptions.
@@ -36,6 +36,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--offload-bandwidth-gbps", "--memory.offload_bandwidth_gbps", type=float, default=0.0,
                     help="GB/s each way of the activation offload tier (default: pinned host memory over PCIe, "
                          "planning/memory_budget.py OFFLOAD_BANDWIDTH_CUDA)")
+    ap.add_argument("--host-gib", "--memory.host_gib", type=float, default=0.0,
+                    help="host RAM of one node in GiB: a layout whose budget plan pins more offloaded activations "
+                         "per node (per GPU x GPUs per node) is skipped; 0 = unchecked (the target is another "
+                         "machine), the plans then name what they need")
     ap.add_argument("--hf-config", default=None,
                     help="a Hugging Face folder (or config.json) giving the shape instead of --flavor")
     ap.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
@@ -80,6 +84,8 @@ def main(argv: list[str]) -> int:
         if a.memory_budget_gib < 0:
             raise ValueError(f"--memory-budget-gib {a.memory_budget_gib:g} must be 0 (no budget) or a positive "
                              f"number of GiB")
+        if a.host_gib < 0:
+            raise ValueError(f"--host-gib {a.host_gib:g} must be 0 (unchecked) or a positive number of GiB")
         if a.offload_bandwidth_gbps < 0:
             raise ValueError(f"--offload-bandwidth-gbps {a.offload_bandwidth_gbps:g} must be positive (or 0: the "
                              f"default)")
@@ -89,18 +95,21 @@ def main(argv: list[str]) -> int:
     result = plan_layouts(shape, device, a.devices, a.seq_len, a.global_batch_size,
                           a.mfu, features=features, model_parallel=model_parallel,
                           memory_headroom=a.memory_headroom, budget_bytes=a.memory_budget_gib * 2**30,
-                          offload_bandwidth=(a.offload_bandwidth_gbps or OFFLOAD_BANDWIDTH_CUDA) * 1e9)
+                          offload_bandwidth=(a.offload_bandwidth_gbps or OFFLOAD_BANDWIDTH_CUDA) * 1e9,
+                          host_bytes=a.host_gib * 2**30)
     dropped = ", ".join(f"{n} {why}" for why, n in result.dropped.items())
     print(f"{a.model} {a.flavor} on {a.devices} x {device.name}, seq {a.seq_len}, global batch "
           f"{a.global_batch_size}: {len(result.ranked)} layouts fit"
           + (f" within {limit / 2**30:.1f} GiB ({100 * a.memory_headroom:.0f}% of memory kept free)"
              if a.memory_headroom else "")
           + (f" within a budget of {a.memory_budget_gib:g} GiB per rank" if a.memory_budget_gib else "")
+          + (f" and {a.host_gib:g} GiB of host memory per node" if a.host_gib else "")
           + f" ({dropped})\n")
     if not result.ranked:
         print("error: no layout fits; add devices, shorten --seq-len or lower --global-batch-size"
               + (" or --memory-headroom" if a.memory_headroom else "")
-              + (" or raise --memory-budget-gib" if a.memory_budget_gib else ""), file=sys.stderr)
+              + (" or raise --memory-budget-gib" if a.memory_budget_gib else "")
+              + (" or --host-gib" if a.host_gib else ""), file=sys.stderr)
         return 1
     best = result.ranked[0].time.total
     lo, hi = HELD_OUT_RATIO_RANGE

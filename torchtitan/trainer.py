@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.components import storage
@@ -87,6 +88,9 @@ class Trainer:
         self.spec, self.tokenizer, self.model_args = plan.spec, plan.tokenizer, plan.model_args
         model_line = model_summary(cfg, self.model_args, self.tokenizer)  # before pinning rewrites the source
         pin_model_shape(cfg, self.model_args)  # checkpoints' config.toml rebuild this shape without hf_config
+        if plan.moe_balancing is not None:  # ... and train with this balancing, which hf_config may have chosen
+            b = plan.moe_balancing
+            cfg.moe.load_balance_coeff, cfg.moe.router_aux_loss_coef = b.load_balance_coeff, b.router_aux_loss_coef
         self.parallel_dims, self.global_batch_size, self.grad_accum = (
             plan.parallel_dims, plan.global_batch_size, plan.grad_accum
         )
@@ -116,6 +120,8 @@ class Trainer:
             f"{model_line}: {self.num_params:,} parameters "
             f"({non_embedding:,} non-embedding), {self.flops_per_token / 1e9:.3f} GFLOP/token (train)"
         )
+        if plan.moe_balancing is not None:
+            logger.info(f"MoE router balancing: {plan.moe_balancing.why}")
         self.loss_fn = self.spec.build_loss_fn(cfg)
         self.mtp_weight = mtp_settings(model)[1]  # multi-token prediction's lambda (0 without it)
         self.pipeline = None
@@ -282,7 +288,7 @@ class Trainer:
                                                           self.mtp_weight)
                 self._mtp_sums = _add(self._mtp_sums, mtp_sums)
                 if out.aux_loss is not None:
-                    token_loss = token_loss + out.aux_loss
+                    token_loss = add_aux_loss(token_loss, out.aux_loss)
                 loss = token_loss / global_tokens
                 loss.backward()
                 if source_ids is not None:
@@ -530,3 +536,15 @@ def _to_device(batch, device: torch.device):
     if isinstance(batch, dict):
         return {k: _to_device(v, device) for k, v in batch.items()}
     return tuple(_to_device(x, device) for x in batch)
+
+
+def add_aux_loss(token_loss: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+    """The token loss plus the model's balance loss (both sums over tokens). Under loss parallel the token
+    loss is a DTensor replicated over the tp ranks, while each tp rank's balance loss is that of its own
+    sequence shard (an MoE layer routes its shard), a plain tensor: it joins as a Partial DTensor, the sum
+    over the shards, which is also what the step logs. (Added as a plain tensor it passed forward as an
+    implicitly replicated scalar and failed in backward: mixed torch.Tensor and DTensor.)"""
+    if isinstance(token_loss, DTensor):
+        mesh = token_loss.device_mesh
+        aux_loss = DTensor.from_local(aux_loss, mesh, [Partial()] * mesh.ndim, run_check=False)
+    return token_loss + aux_loss

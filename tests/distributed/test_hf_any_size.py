@@ -11,7 +11,9 @@ from the shards (--checkpoint.last_save hf_only). Checked, in float32:
 both within 1e-5 of the logits' scale (the two implementations sum in different orders). AutoTokenizer on
 the written folder gives the project tokenizer's ids on sample text. The Llama folder is written with a 1 MB
 size limit: 3+ safetensors files named and indexed as save_pretrained does.
-All cases run in one spawned 4-rank group, one after the other, to keep the suite short.
+All cases run in one spawned 4-rank group, one after the other, to keep the suite short. The Qwen3-MoE and
+GPT-OSS runs use the default balancing of a model from such a folder (no bias updates, transformers'
+load-balancing loss with the folder's coefficient: docs/moe.md), so that default is exported under TP x EP too.
 """
 
 import json
@@ -51,7 +53,7 @@ CASES = {
         hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
         max_position_embeddings=64, rope_parameters=ROPE),
-        EP + ["--moe.load_balance_coeff", "0"]),  # HF's Qwen3-MoE router has no bias to export a moved one into
+        EP),  # default balancing: the format's loss (its router has no bias to export a moved one into)
     "deepseek_q_lora": ("deepseek_v3", "DeepseekV3Config", dict(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=16, num_hidden_layers=2, first_k_dense_replace=1,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
@@ -64,7 +66,7 @@ CASES["gpt_oss"] = ("gpt_oss", "GptOssConfig", dict(  # both layer kinds, a wind
     layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64,
     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
                      "truncate": False, "original_max_position_embeddings": 16}),
-    EP + ["--moe.load_balance_coeff", "0"])  # HF's GPT-OSS router has no balancing bias
+    EP)  # default balancing: HF's GPT-OSS router has no balancing bias, so the format's loss
 CASES["deepseek_direct_q"] = (*CASES["deepseek_q_lora"][:2], {**CASES["deepseek_q_lora"][2], "q_lora_rank": None}, EP)
 
 

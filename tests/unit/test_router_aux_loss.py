@@ -148,3 +148,44 @@ def test_gpt_oss_aux_loss_and_its_gradient_equal_transformers(gpt_oss_hf_and_our
         torch.testing.assert_close(g_ours, g_hf, rtol=1e-5, atol=1e-7)
     config = {**GptOssStateDictAdapter.to_hf_config(GPT_OSS_ARGS), "output_router_logits": False}
     assert GptOssStateDictAdapter.from_hf_config(config).moe.router_aux_loss_coef == 0.0
+
+
+# Qwen3.5-MoE trains its routers with the same loss (Qwen3_5MoeForCausalLM, output_router_logits); our Qwen3.5
+# forward adds it over every MoE layer's tokens together, as Qwen3-MoE's does.
+from torchtitan.models.qwen3_5.args import Qwen3_5ModelArgs, interval_layer_types  # noqa: E402
+from torchtitan.models.qwen3_5.model import Qwen3_5  # noqa: E402
+from torchtitan.models.qwen3_5.state_dict_adapter import Qwen3_5StateDictAdapter  # noqa: E402
+
+QWEN3_5_ARGS = Qwen3_5ModelArgs(
+    dim=32, n_layers=3, vocab_size=96, max_seq_len=64, hidden_dim=16, layer_types=interval_layer_types(3, 3),
+    n_heads=4, n_kv_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+    linear_value_head_dim=8, linear_chunk_size=8,
+    moe=MoEArgs(num_experts=8, num_shared_experts=1, hidden_dim=16, top_k=2, score_func="softmax", route_norm=True,
+                shared_hidden_dim=24, shared_gate=True, router_aux_loss_coef=COEF))
+
+
+def test_qwen3_5_aux_loss_and_its_gradient_equal_transformers(tmp_path):
+    config = {k: v for k, v in Qwen3_5StateDictAdapter.to_hf_config(QWEN3_5_ARGS, torch.float32).items()
+              if k not in ("architectures", "model_type", "torch_dtype")}
+    assert config["output_router_logits"] is True and config["router_aux_loss_coef"] == COEF
+    torch.manual_seed(0)
+    hf = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**config)).float()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)  # routers far from uniform, so the loss is far from its minimum
+    hf.save_pretrained(str(tmp_path))
+    state, args = load_hf_folder(str(tmp_path), Qwen3_5StateDictAdapter)
+    assert args.moe.router_aux_loss_coef == COEF  # the coefficient comes from the folder's config
+    ours = Qwen3_5(args)
+    ours.load_state_dict(state, strict=True)
+    hf.train(), ours.train()
+    expected = COEF * hf(TOKENS, output_router_logits=True).aux_loss
+    hf_gates = [p for n, p in hf.named_parameters() if n.endswith("mlp.gate.weight")]
+    hf_grads = torch.autograd.grad(expected, hf_gates)
+    got = ours(TOKENS).aux_loss / TOKENS.numel()
+    torch.testing.assert_close(got.detach(), expected.detach(), rtol=1e-6, atol=1e-7)
+    ours_gates = [p for n, p in ours.named_parameters() if n.endswith("router.gate.weight")]
+    assert len(hf_gates) == len(ours_gates) == QWEN3_5_ARGS.n_layers
+    for g_ours, g_hf in zip(torch.autograd.grad(got, ours_gates), hf_grads):
+        torch.testing.assert_close(g_ours, g_hf, rtol=1e-5, atol=1e-7)

@@ -494,6 +494,13 @@ class Memory:
     (CPU files: OFFLOAD_BANDWIDTH_CPU; CUDA pinned host: OFFLOAD_BANDWIDTH_CUDA in planning/memory_budget.py).
     scripts/benchmarks/bench_memory_budget.py measures this machine's."""
 
+    host_gib: float = 0.0
+    """Host RAM of one node in GiB that a memory plan may fill; 0 = this machine's (os.sysconf), or, on a dry
+    run or layout plan for another machine (--device-type), unchecked until given. The budget's plan puts on
+    the host, per rank: on CUDA the offloaded blocks' saved tensors and inputs (pinned host memory) and the
+    state --training.enable_cpu_offload moves there; on CPU the whole rank. That x ranks per node (NNODES
+    splits the world; a GPU type's node size on a dry run) must fit, or the plan is refused in one line."""
+
     cpu_return_freed: bool = False
     """CPU runs: glibc unmaps every freed block of 128 KiB or more (a fixed mmap threshold instead of its
     dynamic one, which keeps freed blocks of up to 32 MiB in a heap that never shrinks), so the process's

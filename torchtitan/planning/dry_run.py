@@ -314,7 +314,8 @@ def dry_run(
     report.plan = plan
     try:  # --memory.budget_gib: the per-block plan for the target device (or this machine)
         report.budget = plan_budget(cfg, plan, flops=device.bf16_flops if device else None,
-                                    on_gpu=device is not None)
+                                    on_gpu=device is not None, this_machine=device is None,
+                                    ranks_per_node=min(device.gpus_per_node, world_size) if device else None)
     except USER_ERRORS as e:
         errors.append(_one_line(e))
     report.layout = " x ".join(

@@ -37,6 +37,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -214,6 +215,64 @@ def least_kept(blocks: list[BlockCost], allowed: tuple[str, ...] = CHOICES) -> l
     return pairs
 
 
+def offloaded_bytes(blocks: list[BlockCost], choices: tuple[str, ...]) -> int:
+    """Bytes a plan's offloaded blocks hold on the offload tier (pinned host memory on CUDA): offload moves
+    what keep would keep (the block's saved tensors), full_offload what full keeps (its input), for every
+    microbatch in flight (as BlockCost.bytes counts them)."""
+    keep, full = CHOICES.index("keep"), CHOICES.index("full")
+    return sum(b.bytes[keep] if c == "offload" else b.bytes[full] if c == "full_offload" else 0
+               for b, c in zip(blocks, choices))
+
+
+def this_machine_host_bytes() -> int:
+    """This machine's RAM (os.sysconf: physical pages x page size)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclasses.dataclass(frozen=True)
+class HostMemory:
+    """What a plan puts in one node's host memory, against that node's RAM."""
+
+    per_rank: int
+    """Bytes per rank: on CUDA the offloaded activations (pinned) and CPU-offloaded state; on CPU the rank."""
+    ranks_per_node: int
+    limit: int | None
+    """The node's RAM in bytes; None: unchecked (planning for another machine without --memory.host_gib)."""
+    source: str
+    """Where the limit comes from, for the line."""
+    what: str = "offloaded activations"
+
+    @property
+    def per_node(self) -> int:
+        return self.per_rank * self.ranks_per_node
+
+    @property
+    def fits(self) -> bool:
+        return self.limit is None or self.per_node <= self.limit
+
+    def line(self) -> str:
+        of = f"of {self.limit / 2**30:.1f} GiB ({self.source})" if self.limit is not None else f"({self.source})"
+        return (f"host memory per node: {self.per_node / 2**30:.1f} GiB ({self.per_rank / 2**30:.2f} GiB per rank "
+                f"of {self.what} x {self.ranks_per_node} ranks per node) {of}")
+
+    def check(self) -> None:
+        if not self.fits:
+            raise ValueError(
+                f"the memory plan needs more host memory than the node has: {self.line()}; give the node's real "
+                f"RAM with --memory.host_gib, offload fewer blocks (--memory.plan_choices keep,op,full), raise "
+                f"--memory.budget_gib or shard over more nodes")
+
+
+def host_limit(host_gib: float, this_machine: bool) -> tuple[int | None, str]:
+    """(the node's RAM in bytes or None, its source): --memory.host_gib; else this machine's when the plan is
+    for it; else unchecked."""
+    if host_gib:
+        return int(host_gib * 2**30), "--memory.host_gib"
+    if this_machine:
+        return this_machine_host_bytes(), "this machine's RAM"
+    return None, "unchecked: give --memory.host_gib, the target node's RAM"
+
+
 def least_bytes(blocks: list[BlockCost], allowed: tuple[str, ...] = CHOICES) -> int:
     """The fewest activation bytes (kept + largest transient) any plan of the `allowed` choices needs."""
     return min(kept + t for kept, t in least_kept(blocks, allowed))
@@ -240,6 +299,8 @@ class BudgetPlan:
     offload_optimizer: bool = False
     """The optimizer state is offloaded (--memory.offload_optimizer)."""
     on_gpu: bool = False
+    host: HostMemory | None = None
+    """What the plan puts in a node's host memory (checked against the node's RAM by plan_budget)."""
 
     def summary(self) -> str:
         runs, prev = [], None
@@ -255,7 +316,8 @@ class BudgetPlan:
                 + ("" if self.prefetch else " (offload without prefetch)")
                 + ("; optimizer state offloaded to files" if self.offload_optimizer else "") +
                 f"; predicted peak {self.memory.peak / 2**30:.3f} GiB, predicted step {self.step_seconds:.3f} s "
-                f"({self.base_seconds:.3f} s without recompute or offload, +{self.step_seconds - self.base_seconds:.3f} s){note}")
+                f"({self.base_seconds:.3f} s without recompute or offload, +{self.step_seconds - self.base_seconds:.3f} s){note}"
+                + (f"; GPU memory per rank {self.memory.peak / 2**30:.1f} GiB, {self.host.line()}" if self.host else ""))
 
 
 def _rank_state_bytes(model: torch.nn.Module, pd, optimizer: str) -> StateBytes:
@@ -406,10 +468,13 @@ def least_budget(cfg, plan, *, flops: float | None = None, on_gpu: bool | None =
 
 
 def plan_budget(cfg, plan, *, flops: float | None = None, on_gpu: bool | None = None,
-                mfu: float = DEFAULT_MFU) -> BudgetPlan | None:
+                mfu: float = DEFAULT_MFU, ranks_per_node: int | None = None,
+                this_machine: bool = True) -> BudgetPlan | None:
     """The per-block plan for `cfg.memory.budget_gib` of a job judged by plan_job (None without a budget).
     `flops` = the device's peak FLOP/s (default: this machine's, tools/device_peak); `on_gpu` the target
-    (default: this machine). Raises ValueError with one line when the budget cannot be met."""
+    (default: this machine). `ranks_per_node` (default: the world over $NNODES nodes) x what each rank puts
+    in host memory must fit a node's RAM (--memory.host_gib, else this machine's when `this_machine`).
+    Raises ValueError with one line when the budget or the host memory cannot be met."""
     mem = cfg.memory
     if not mem.budget_gib:
         return None
@@ -446,9 +511,21 @@ def plan_budget(cfg, plan, *, flops: float | None = None, on_gpu: bool | None = 
     choices = tuple(list(found.choices) * pd.pp)[: len(plan.model.layers)]
     base = 3 * x.microbatches * (x.work.blocks * forward + output)
     (seconds, _), state, optimizer_offloaded = best
-    return BudgetPlan(budget, found, choices, plan_memory(x.shape, state, x.work, found),
-                      base + seconds, base, x.bandwidth, prefetch or "offload" not in found.choices,
-                      optimizer_offloaded, x.work.on_gpu)
+    memory = plan_memory(x.shape, state, x.work, found)
+    if x.work.on_gpu:  # pinned host buffers of the offloaded blocks, and FSDP's CPU-offloaded state
+        costs = x.costs(cfg.training.seq_len, prefetch)[0]
+        on_host, what = offloaded_bytes(costs, found.choices), "offloaded activations"
+        if cfg.training.enable_cpu_offload:
+            on_host += state.params + state.grads + state.optimizer
+            what += " and CPU-offloaded parameters, gradients and optimizer state"
+    else:  # the device is the host: the whole rank (its offload tier is files)
+        on_host, what = memory.peak, "the rank's predicted peak"
+    if ranks_per_node is None:
+        ranks_per_node = max(1, pd.world_size // max(1, int(os.environ.get("NNODES", "1"))))
+    host = HostMemory(on_host, ranks_per_node, *host_limit(cfg.memory.host_gib, this_machine), what)
+    host.check()
+    return BudgetPlan(budget, found, choices, memory, base + seconds, base, x.bandwidth,
+                      prefetch or "offload" not in found.choices, optimizer_offloaded, x.work.on_gpu, host)
 
 
 def resolve_budget(cfg, world_size: int):

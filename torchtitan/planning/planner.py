@@ -30,6 +30,7 @@ from torchtitan.planning.memory_budget import (
     BlockPlan,
     activation_room,
     block_costs,
+    offloaded_bytes,
     plan_memory,
     solve,
 )
@@ -193,6 +194,12 @@ class Candidate:
     time: StepTime
     tokens_per_s_per_device: float
     mfu: float
+    host_bytes: int = 0
+    """Host memory per GPU a budget's plan fills (pinned offloaded activations of its busiest rank)."""
+
+
+class HostMemoryError(MemoryError):
+    """A layout's plan puts more in a node's host memory than --host-gib allows."""
 
 
 @dataclasses.dataclass
@@ -261,10 +268,10 @@ def block_runs(choices: tuple[str, ...]) -> str:
 
 
 def _budget_plan(shape: ModelShape, state: StateBytes, work: RankWork, limit: float, seq_len: int,
-                 microbatches: int, flops: float, bandwidth: float) -> tuple[MemoryEstimate, BlockPlan]:
+                 microbatches: int, flops: float, bandwidth: float) -> tuple[MemoryEstimate, BlockPlan, int]:
     """The fastest per-block plan of keep/op/full/offload/full_offload whose estimated peak is within `limit`
-    (the memory budget planner's own formulas and search, planning/memory_budget.py); MemoryError when none
-    is."""
+    (the memory budget planner's own formulas and search, planning/memory_budget.py), and the host bytes its
+    offloaded blocks fill; MemoryError when none is."""
     room = activation_room(shape, state, work, int(limit))
     best: BlockPlan | None = None
     for prefetch in (True, False):
@@ -272,28 +279,29 @@ def _budget_plan(shape: ModelShape, state: StateBytes, work: RankWork, limit: fl
         found = solve(costs, room, max_units=BUDGET_MAX_UNITS)
         if found is not None and (best is None or (found.seconds, found.activation_bytes)
                                   < (best.seconds, best.activation_bytes)):
-            best = found
+            best, host = found, offloaded_bytes(costs, found.choices)
     if best is None:
         raise MemoryError(f"no per-block plan within {limit / 2**30:.1f} GiB")
-    return plan_memory(shape, state, work, best), best
+    return plan_memory(shape, state, work, best), best, host
 
 
 def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, seq_len: int,
              global_batch_size: int, mfu: float | None = None, network: Network = FLAT_NETWORK,
              features: Features = Features(), memory_headroom: float = 0.0, budget_bytes: float = 0.0,
-             offload_bandwidth: float = OFFLOAD_BANDWIDTH_CUDA * 1e9) -> Candidate:
+             offload_bandwidth: float = OFFLOAD_BANDWIDTH_CUDA * 1e9, host_bytes: float = 0.0) -> Candidate:
     """Memory and step time of one layout; raises LayoutError when the layout cannot run and MemoryError
     when its estimated peak exceeds the device's memory less `memory_headroom` (a fraction kept free), or
     `budget_bytes` (--memory-budget-gib) when that is lower. Layout.ac == "budget": the blocks' choices are
-    the memory-budget planner's for this rank (offload priced at `offload_bandwidth` bytes/s). `mfu`: the
-    fraction of the bf16 peak large matmuls reach, instead of the device's (Device.gemm_eff)."""
+    the memory-budget planner's for this rank (offload priced at `offload_bandwidth` bytes/s); with
+    `host_bytes` (a node's RAM, --host-gib; 0 = unchecked), HostMemoryError when the pinned host memory its
+    offloaded blocks fill, x the device's GPUs per node, exceeds it. `mfu`: the fraction of the bf16 peak large
+    matmuls reach, instead of the device's (Device.gemm_eff)."""
     L = layout
     if mfu is not None:
         device = dataclasses.replace(device, gemm_eff=mfu)
-    ac = "none" if L.ac == BUDGET_AC else L.ac
-    time_ac = "none" if L.ac == BUDGET_AC else L.ac
+    ac = "none" if L.ac == BUDGET_AC else L.ac  # a budget's plan sets the blocks' bytes itself (_budget_plan)
     if features.async_tp and L.tp > 1:  # async TP is done by the compiler: the recipe turns compile on
-        features = dataclasses.replace(features, compile=True)  # a budget's plan sets the blocks' bytes itself (_budget_plan)
+        features = dataclasses.replace(features, compile=True)
     pd = ParallelDims(L.dp_replicate, L.dp_shard, L.cp, L.tp, L.pp, devices)
     head_dim = (shape.q_dim or shape.dim) // shape.n_heads
     pd.check_model({"tp": {"n_heads": shape.n_heads, "n_kv_heads": shape.kv_dim // head_dim,
@@ -327,7 +335,7 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
     # The pipeline runs at the pace of its busiest rank (stages differ: the output projection weighs
     # more than a block, the embedding nothing).
     mb_tokens = (L.microbatch_size if L.pp > 1 else L.local_batch_size) * seq_len  # the TP x CP group's
-    module_s = module_seconds_per_microbatch(shape, device, seq_len, mb_tokens, L.tp, L.cp, time_ac, features)
+    module_s = module_seconds_per_microbatch(shape, device, seq_len, mb_tokens, L.tp, L.cp, ac, features)
     busiest_s = max(sum(module_s[n] for st in stages for n in st) for stages in all_ranks.values())
     speed = DEFAULT_MFU  # the memory-budget planner prices its recomputation at this fraction of the peak
     limit = memory_limit(device, memory_headroom)
@@ -336,6 +344,7 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
     # Memory of the heaviest pipeline rank.
     worst: MemoryEstimate | None = None
     rank_plans: dict[int, BlockPlan] = {}
+    rank_host: dict[int, int] = {}
     stage_params_max = 0
     for r, stages in per_rank_stages.items():
         names = [n for s in stages for n in s]
@@ -357,12 +366,15 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
         )
         est = estimate_memory(shape, state, work)
         if L.ac == BUDGET_AC:
-            est, rank_plans[r] = _budget_plan(shape, state, work, limit, seq_len, n_mb, device.bf16_flops * speed,
-                                              offload_bandwidth)
+            est, rank_plans[r], rank_host[r] = _budget_plan(shape, state, work, limit, seq_len, n_mb,
+                                                            device.bf16_flops * speed, offload_bandwidth)
         if worst is None or est.peak > worst.peak:
             worst = est
     if worst.peak > limit:
         raise MemoryError(f"{worst.peak / 2**30:.1f} GiB > {limit / 2**30:.0f} GiB{headroom_note(memory_headroom)}")
+    host = max(rank_host.values(), default=0)  # every GPU of a node may be the busiest rank's kind
+    if host_bytes and host * min(device.gpus_per_node, devices) > host_bytes:
+        raise HostMemoryError(f"{host * min(device.gpus_per_node, devices) / 2**30:.0f} GiB of host memory per node")
     added = 0.0  # seconds a budget's per-block plan adds: the pipeline runs at its slowest rank's pace
     if rank_plans:
         added = max(p.seconds for p in rank_plans.values())
@@ -433,7 +445,7 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
             comm -= forward_gathers * (per - collective_time(device, L.tp, full / ACT_BYTES, L.tp, network))
         if features.async_tp:
             b = BlockShape(shape.dim, shape.q_dim or shape.dim, shape.kv_dim, shape.hidden)
-            linears = block_seconds(device, b, tokens_mb * L.cp, seq_len, L.tp, L.cp, time_ac, True, features.float8,
+            linears = block_seconds(device, b, tokens_mb * L.cp, seq_len, L.tp, L.cp, ac, True, features.float8,
                                     features.float8_all_gather)["matmul"]
             comm -= min(ASYNC_TP_HIDDEN * comm, linears)
         exposed["TP"] = blocks_per_rank * passes * comm
@@ -458,7 +470,7 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
         exposed["PP send/recv"] = 2 * v * n_mb * collective_time(device, 2, 2 * act, 2 * devices // L.pp, network)
     t = StepTime(compute, exposed, bubble)
     tps = global_batch_size * seq_len / t.total / devices
-    return Candidate(layout, worst, t, tps, tps * fpt / device.bf16_flops)
+    return Candidate(layout, worst, t, tps, tps * fpt / device.bf16_flops, host)
 
 
 CP_MIN_SEQ_LEN = 32768
@@ -525,16 +537,20 @@ def plan_layouts(shape: ModelShape, device: Device, devices: int, seq_len: int, 
                  mfu: float | None = None, cp_min_seq_len: int = CP_MIN_SEQ_LEN,
                  network: Network = FLAT_NETWORK, features: Features = Features(),
                  model_parallel: frozenset[str] | None = None, memory_headroom: float = 0.0,
-                 budget_bytes: float = 0.0, offload_bandwidth: float = OFFLOAD_BANDWIDTH_CUDA * 1e9) -> PlanResult:
+                 budget_bytes: float = 0.0, offload_bandwidth: float = OFFLOAD_BANDWIDTH_CUDA * 1e9,
+                 host_bytes: float = 0.0) -> PlanResult:
     """Every layout enumerate_layouts yields, judged and ranked. `model_parallel` keeps only the layouts that
     use exactly these model-parallel dimensions (a subset of MODEL_PARALLEL; data parallel takes the rest);
     None keeps all. `memory_headroom`: the fraction of the device's memory a layout must leave free.
     `budget_bytes` (--memory-budget-gib, 0 = none): a per-rank peak every layout must stay within, and each
-    layout is also judged with the memory-budget planner's per-block plan of keep/op/full/offload/full_offload."""
+    layout is also judged with the memory-budget planner's per-block plan of keep/op/full/offload/full_offload.
+    `host_bytes` (--host-gib, a node's RAM; 0 = unchecked): a layout whose plan's pinned host memory per node
+    exceeds it is dropped."""
     if model_parallel is not None:
         _check_model_parallel(model_parallel)
     memory_limit(device, memory_headroom)  # a bad fraction fails here, not as "nothing fits"
-    ranked, dropped = [], {"does not divide / invalid pipeline": 0, "does not fit memory": 0}
+    ranked, dropped = [], {"does not divide / invalid pipeline": 0, "does not fit memory": 0,
+                           "does not fit host memory": 0}
     if budget_bytes < 0:
         raise ValueError(f"--memory-budget-gib {budget_bytes / 2**30:g} must be 0 (no budget) or a positive number "
                          f"of GiB")
@@ -544,9 +560,11 @@ def plan_layouts(shape: ModelShape, device: Device, devices: int, seq_len: int, 
             continue
         try:
             ranked.append(evaluate(shape, layout, device, devices, seq_len, global_batch_size, mfu, network,
-                                   features, memory_headroom, budget_bytes, offload_bandwidth))
+                                   features, memory_headroom, budget_bytes, offload_bandwidth, host_bytes))
         except LayoutError:
             dropped["does not divide / invalid pipeline"] += 1
+        except HostMemoryError:
+            dropped["does not fit host memory"] += 1
         except MemoryError:
             dropped["does not fit memory"] += 1
     # Fastest first; among equals the simpler layout (fewer parallel dimensions, less recompute).
@@ -570,4 +588,7 @@ def explain(c: Candidate, seq_len: int, global_batch_size: int, device: Device) 
             f"{t.total:.2f} s = {', '.join(parts)}\n"
             f"  peak memory {c.memory.peak / 2**30:.1f} GiB of {device.memory_bytes / 2**30:.1f} GiB "
             f"(activations {c.memory.components['activations'] / 2**30:.1f}, model states "
-            f"{sum(c.memory.components[k] for k in ('parameters', 'gradients', 'optimizer state')) / 2**30:.1f})")
+            f"{sum(c.memory.components[k] for k in ('parameters', 'gradients', 'optimizer state')) / 2**30:.1f})"
+            + (f"; host memory {c.host_bytes / 2**30:.1f} GiB per GPU x {device.gpus_per_node} = "
+               f"{c.host_bytes * device.gpus_per_node / 2**30:.0f} GiB per node (offloaded activations, pinned)"
+               if c.host_bytes else ""))

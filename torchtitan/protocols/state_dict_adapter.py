@@ -85,6 +85,13 @@ class StateDictAdapter(ABC):
     HF_MODEL_TYPES: tuple[str, ...] = ()
     """The config.json `model_type`s this adapter reads (e.g. ("llama",))."""
 
+    HF_KEEPS_EXPERT_BIAS: bool = True
+    """MoE families: whether the format stores the routers' balancing bias (`moe.expert_bias`; DeepSeek-V3's
+    `e_score_correction_bias`). False (Qwen3-MoE, Qwen3.5-MoE, GPT-OSS): it has no slot for it, so to_hf
+    refuses a moved one; a job whose model comes from such a folder balances by the format's loss instead
+    (components/moe/args.py resolve_moe_balancing), and an HF save of a bias-balanced job is refused before
+    any rank starts (job_plan)."""
+
     @classmethod
     def args_from_hf(cls, folder: str) -> Any:
         """Our args for an HF folder (or config.json path): its model_type must be one this adapter reads."""

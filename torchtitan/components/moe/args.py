@@ -1,8 +1,14 @@
-"""The shape and routing of one MoE layer."""
+"""The shape and routing of one MoE layer, and how a job balances its routers."""
 
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from torchtitan.protocols.hf_config import read_config_file
+
+DEFAULT_LOAD_BALANCE_COEFF = 1e-3
+"""--moe.load_balance_coeff when unset, for a model that does not come from a Hugging Face format without a
+balancing bias (MoEConfig.load_balance_coeff)."""
 
 
 @dataclass
@@ -76,9 +82,14 @@ class MoEArgs:
 class MoEConfig:
     """The `moe` config section of MoE models (--moe.*): how routing is balanced during training."""
 
-    load_balance_coeff: float = 1e-3
+    load_balance_coeff: float | None = None
     """Auxiliary-loss-free balancing: each optimizer step moves every expert's routing bias by this much
-    towards the mean load (up when under-loaded, down when over-loaded); 0 turns it off."""
+    towards the mean load (up when under-loaded, down when over-loaded); 0 turns it off. Unset: 1e-3, except
+    for a model that comes from a Hugging Face folder (--model.hf_config, --checkpoint.initial_load_in_hf) of
+    a format whose router has no balancing bias (Qwen3-MoE, Qwen3.5-MoE, GPT-OSS): there 0, and the routers
+    are balanced as transformers trains that format, by its load-balancing loss with the folder's
+    `router_aux_loss_coef` (unless --moe.router_aux_loss_coef is given), so the trained model exports back to
+    that format (a moved bias cannot be written there). The log says which balancing a run uses and why."""
 
     aux_loss_alpha: float = 0.0
     """Weight of DeepSeek-V3's sequence-wise balance loss, added to the training loss (published: 1e-4);
@@ -87,12 +98,82 @@ class MoEConfig:
     router_aux_loss_coef: float | None = None
     """Weight of transformers' load-balancing loss (Qwen3-MoE's `router_aux_loss_coef`; softmax routing), added
     to the training loss; unset: the model's own (from its HF config, where `output_router_logits` is true,
-    else 0); 0 turns it off. Not available under pipeline parallel."""
+    else 0; see load_balance_coeff for a model that comes from a Hugging Face folder); 0 turns it off. Not
+    available under pipeline parallel."""
+
+
+@dataclass(frozen=True)
+class MoEBalancing:
+    """How a job balances its routers: the `moe` section's two balancing options, resolved, and why."""
+
+    load_balance_coeff: float
+    router_aux_loss_coef: float | None
+    """None: the model's own (its flavor's or HF config's)."""
+    why: str
+    """For the log, e.g. `no bias updates (--moe.load_balance_coeff 0) and transformers' load-balancing loss
+    x 0.001: the model comes from the Hugging Face folder X, whose router has no balancing bias`."""
+
+
+def hf_source_folder(job_config: Any) -> str | None:
+    """The Hugging Face folder (or config.json) a job's model comes from: its shape (--model.hf_config) or
+    its weights (--checkpoint.initial_load_in_hf); None when neither."""
+    if job_config.model.hf_config:
+        return job_config.model.hf_config
+    c = job_config.checkpoint
+    return c.initial_load_path if c.initial_load_in_hf and c.initial_load_path else None
+
+
+def _folder_aux_loss_coef(folder: str) -> float:
+    """The `router_aux_loss_coef` of a folder's config.json (a multimodal one: of its text_config); 0 when
+    the folder or the key is missing (the HF-folder checks of plan_job refuse a missing folder)."""
+    try:
+        config = read_config_file(folder)
+    except (OSError, ValueError):
+        return 0.0
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    value = config.get("router_aux_loss_coef", text.get("router_aux_loss_coef", 0.0))
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def resolve_moe_balancing(job_config: Any, hf_keeps_expert_bias: bool) -> MoEBalancing:
+    """The balancing a job trains with. Set options win (--moe.load_balance_coeff on the command line or in
+    the TOML: the option is None only when neither gave it). Unset, a model from a Hugging Face folder whose
+    format has no slot for the balancing bias (`hf_keeps_expert_bias` False: the family's adapter) is
+    balanced the way that format is trained: no bias updates, transformers' load-balancing loss with the
+    folder's router_aux_loss_coef (read whatever its `output_router_logits` says: transformers' configs keep
+    that off for inference, and its training recipes turn it on). Under pipeline parallel that loss cannot
+    run (stages pass activations only), so the routers are then left unbalanced, exportable."""
+    m = job_config.moe
+    if m.load_balance_coeff is not None:
+        return MoEBalancing(m.load_balance_coeff, m.router_aux_loss_coef,
+                            f"--moe.load_balance_coeff {m.load_balance_coeff} as set")
+    folder = hf_source_folder(job_config)
+    if folder is None or hf_keeps_expert_bias:
+        where = f"; the Hugging Face format of {folder} keeps the bias" if folder else ""
+        return MoEBalancing(DEFAULT_LOAD_BALANCE_COEFF, m.router_aux_loss_coef,
+                            f"bias updates, --moe.load_balance_coeff {DEFAULT_LOAD_BALANCE_COEFF} (the default{where})")
+    because = f"the model comes from the Hugging Face folder {folder}, whose router has no balancing bias to export"
+    if m.router_aux_loss_coef is not None:
+        return MoEBalancing(0.0, m.router_aux_loss_coef,
+                            f"no bias updates (--moe.load_balance_coeff 0) and --moe.router_aux_loss_coef "
+                            f"{m.router_aux_loss_coef} as set: {because}")
+    if job_config.parallelism.pipeline_parallel_degree > 1:
+        return MoEBalancing(0.0, 0.0,
+                            f"none: {because}, and its load-balancing loss needs the whole model in one stage "
+                            f"(pipeline parallel); --moe.load_balance_coeff 1e-3 balances by the bias instead "
+                            f"(then the model does not export to that format)")
+    coef = _folder_aux_loss_coef(folder)
+    if coef <= 0:
+        return MoEBalancing(0.0, 0.0, f"none: {because}, and its config sets no router_aux_loss_coef; give "
+                                      f"--moe.router_aux_loss_coef (e.g. 0.001) to balance as transformers does")
+    return MoEBalancing(0.0, coef, f"no bias updates (--moe.load_balance_coeff 0) and transformers' "
+                                   f"load-balancing loss x {coef} (the folder's router_aux_loss_coef): {because}")
 
 
 def moe_args_for_job(moe: MoEArgs, job_config: Any) -> MoEArgs:
-    """A flavor's MoE args with the job's `moe` section applied; the sequence-wise loss is refused under
-    pipeline parallel (stages pass activations only, so a middle stage's loss has no way to the loss)."""
+    """A flavor's MoE args with the job's `moe` section applied (plan_job resolves an unset
+    load_balance_coeff first: resolve_moe_balancing; left unset, e.g. offline, it is the default); the
+    sequence-wise loss is refused under pipeline parallel (stages pass activations only, so a middle stage's loss has no way to the loss)."""
     m = job_config.moe
     coef = moe.router_aux_loss_coef if m.router_aux_loss_coef is None else m.router_aux_loss_coef
     for name, value in (("aux_loss_alpha", m.aux_loss_alpha), ("router_aux_loss_coef", coef)):
@@ -106,5 +187,6 @@ def moe_args_for_job(moe: MoEArgs, job_config: Any) -> MoEArgs:
             f"--moe.router_aux_loss_coef {coef}: transformers' load-balancing loss reads softmax router "
             f"probabilities, and this model routes by {moe.score_func} scores; use --moe.aux_loss_alpha instead"
         )
-    return dataclasses.replace(moe, load_balance_coeff=m.load_balance_coeff, aux_loss_alpha=m.aux_loss_alpha,
+    balance = DEFAULT_LOAD_BALANCE_COEFF if m.load_balance_coeff is None else m.load_balance_coeff
+    return dataclasses.replace(moe, load_balance_coeff=balance, aux_loss_alpha=m.aux_loss_alpha,
                                router_aux_loss_coef=coef)

@@ -43,6 +43,7 @@ _BALANCE_BIAS = "moe.expert_bias"
 class GptOssStateDictAdapter(StateDictAdapter):
     args: GptOssModelArgs
     HF_MODEL_TYPES = ("gpt_oss",)
+    HF_KEEPS_EXPERT_BIAS = False  # its router bias is learned, not the balancing one
     # Training settings, not the model: a job may train a folder's weights with another balance loss weight.
     HF_CONFIG_NOT_COMPARED = StateDictAdapter.HF_CONFIG_NOT_COMPARED | {"output_router_logits", "router_aux_loss_coef"}
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from torchtitan.components.moe import MoE, MoEOutput
-from torchtitan.components.moe.moe import SwiGLU, add_layer_stats
+from torchtitan.components.moe.moe import RouterBalance, SwiGLU, add_layer_stats
 from torchtitan.models.common.gated_attention import GatedAttention, ZeroCenteredRMSNorm
 from torchtitan.models.common.init import init_decoder_weights
 from torchtitan.models.common.gated_deltanet import GatedDeltaNet
@@ -103,10 +103,13 @@ class Qwen3_5(nn.Module):
         if positions is None:
             positions = self.fixed_positions
         aux_loss, metrics = None, {}
+        balance = RouterBalance()  # transformers' load-balancing loss, over every layer's tokens together
         for key, layer in self.layers.items():
             h, moe = layer(h, self.rope_cache, positions, document_ids)
             if moe is not None:
                 aux_loss = add_layer_stats(aux_loss, metrics, key, moe, layer.moe)
+                balance.add(moe, layer.moe)
+        aux_loss = balance.add_to(aux_loss)
         if self.norm is not None:
             h = self.norm(h)
         out = self.output(h) if self.output is not None else h

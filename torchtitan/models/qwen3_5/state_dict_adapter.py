@@ -77,6 +77,9 @@ _LEFT_OUT = ("model.visual.", "mtp.")
 class Qwen3_5StateDictAdapter(StateDictAdapter):
     args: Qwen3_5ModelArgs
     HF_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
+    HF_KEEPS_EXPERT_BIAS = False  # the router is a plain linear
+    # Training settings, not the model: a job may train a folder's weights with another balance loss weight.
+    HF_CONFIG_NOT_COMPARED = StateDictAdapter.HF_CONFIG_NOT_COMPARED | {"output_router_logits", "router_aux_loss_coef"}
 
     def _split(self) -> tuple[int, int, int]:
         a = self.args
@@ -215,6 +218,8 @@ class Qwen3_5StateDictAdapter(StateDictAdapter):
             "num_experts_per_tok": m.top_k,
             "moe_intermediate_size": m.hidden_dim,
             "shared_expert_intermediate_size": m.shared_hidden_dim or m.hidden_dim,
+            "output_router_logits": m.router_aux_loss_coef > 0,
+            "router_aux_loss_coef": m.router_aux_loss_coef,
         })
         return config
 
@@ -264,7 +269,10 @@ class Qwen3_5StateDictAdapter(StateDictAdapter):
             moe = MoEArgs(num_experts=int(r.req("num_experts")), num_shared_experts=1,
                           hidden_dim=int(r.req("moe_intermediate_size")), top_k=int(r.req("num_experts_per_tok")),
                           score_func="softmax", route_norm=True, route_scale=1.0,
-                          shared_hidden_dim=int(r.req("shared_expert_intermediate_size")), shared_gate=True)
+                          shared_hidden_dim=int(r.req("shared_expert_intermediate_size")), shared_gate=True,
+                          # transformers trains with the load-balancing loss only when output_router_logits is true
+                          router_aux_loss_coef=float(r.opt("router_aux_loss_coef", 0.0))
+                          if r.opt("output_router_logits") else 0.0)
         hidden = int(r.opt("intermediate_size", 0) or (moe.hidden_dim if moe else r.req("intermediate_size")))
         args = dict(
             dim=int(r.req("hidden_size")), n_layers=n_layers, vocab_size=int(r.req("vocab_size")),

@@ -28,6 +28,7 @@ _HF_EXPERTS_PREFIX = re.compile(r"model\.layers\.(\d+)\.mlp\.experts")
 class Qwen3MoeStateDictAdapter(StateDictAdapter):
     args: Qwen3MoeModelArgs
     HF_MODEL_TYPES = ("qwen3_moe",)
+    HF_KEEPS_EXPERT_BIAS = False  # the router is a plain linear
     # Training settings, not the model: a job may train a folder's weights with another balance loss weight.
     HF_CONFIG_NOT_COMPARED = StateDictAdapter.HF_CONFIG_NOT_COMPARED | {"output_router_logits", "router_aux_loss_coef"}
 
