@@ -65,6 +65,17 @@ def attention_tol(expected: torch.Tensor, seq: int, head_dim: int, gradient: boo
     return chain_tol(float(expected.abs().max()), 6 if gradient else 3, max(seq, head_dim), condition)
 
 
+def optimizer_steps_tol(steps: int, lr: float, ops_per_step: int = 8, condition: float = 1.0) -> dict:
+    """Parameters after `steps` updates by two implementations of one optimizer (fused vs for-each, ours vs
+    torch's) on the same batches. No reduction is reordered: each step rounds ~ops_per_step elementwise
+    operations per entry (the moments, a root, a division, the decay, the subtraction), each off by u relative
+    on either side, so 2 x steps x ops u relative; a parameter near zero keeps its updates' absolute error
+    instead (an update entry is at most ~lr): lr times that, times what the update rule amplifies an input's
+    error by (`condition`: Newton-Schulz's, for Muon)."""
+    rtol = 2 * steps * ops_per_step * FP32_U
+    return {"rtol": rtol, "atol": lr * rtol * condition}
+
+
 # Training curves of the parity tests (float32, tiny flavors, 4-10 steps, 8 sequences x 64 tokens a step):
 # per-step loss and pre-clipping grad norm of a layout against one process on the same seed and batches.
 TOKENS_PER_STEP = 8 * 64

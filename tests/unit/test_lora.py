@@ -107,11 +107,11 @@ def test_resume_against_another_base_is_refused_in_one_line(lora_run, tmp_path, 
     assert len(err) == 1 and "was trained on base" in err[0] and "has fingerprint" in err[0], err
 
 
-def _logits_close(got, want, model):
+def _logits_close(got, want, model, condition=1.0):
     # Adapted model (x W + s (x A) B) against the merged one (x (W + s B A), one more rounding per weight) or
     # PEFT's: two float32 forward passes of the model's blocks. MEASURE
     n_layers = len(model.layers) if hasattr(model, "layers") else model.config.num_hidden_layers
-    torch.testing.assert_close(got, want, **logits_tol(want, n_layers, contraction_width(model, want.shape[1])))
+    torch.testing.assert_close(got, want, **logits_tol(want, n_layers, contraction_width(model, want.shape[1]), condition))
 
 
 def test_merged_and_peft_exports_give_the_adapted_logits(lora_run, tmp_path):
@@ -179,6 +179,8 @@ def test_peft_export_follows_llamas_rotary_row_order(tmp_path):
         save_peft(model, Llama3StateDictAdapter, args, str(tmp_path / "peft"), str(tmp_path / "base"))
         save_merged(model, Llama3StateDictAdapter, args, str(tmp_path / "merged"))
         base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
-        _logits_close(peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()(tokens).logits, adapted, model)
+        # adapters of std 0.3 make every projection ~20x its init, attention sharp: condition 4 (as the HF tests'
+        # random weights). MEASURE
+        _logits_close(peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()(tokens).logits, adapted, model, 4)
         merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
-        _logits_close(merged(tokens).logits, adapted, model)
+        _logits_close(merged(tokens).logits, adapted, model, 4)
