@@ -1,7 +1,7 @@
 """The chunked cross entropy under TP's loss parallel (vocabulary-sharded DTensor logits on the "tp" mesh
 dimension of a 2 x 2 mesh) equals the plain loss in one process: the loss and the logits' gradient (fp32,
-tests/tolerances.chain_tol), the gradient still sharded over the vocabulary. Run inside test_muon_parity.py's 4-rank group (one
-spawn for both); one process, plain tensors: tests/unit/test_chunked_loss.py."""
+tests/tolerances.chain_tol), the gradient still sharded over the vocabulary. Run inside test_muon_parity.py's
+4-rank group (one spawn for both); one process, plain tensors: tests/unit/test_chunked_loss.py."""
 
 import torch
 

