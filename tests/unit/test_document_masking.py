@@ -135,8 +135,8 @@ def test_compiled_cpu_model_is_exact_across_documents_and_matches_eager():
         before, after = model(tokens, document_ids=ids), model(changed, document_ids=ids)
     assert torch.equal(before[~in_a], after[~in_a])  # difference exactly 0
     assert not torch.allclose(before[in_a], after[in_a])
-    # inductor fuses and reorders the float32 sums: two forward passes. Measured: uses 0.0051 of it (AVX-512); under
-    # the AVX2 caps the compiled model gives NaN logits (issue 45, not a tolerance: red before this change too).
+    # inductor fuses and reorders the float32 sums: two forward passes. Measured: uses 0.0051 of it (AVX-512), 0.0051
+    # (AVX2 caps, fresh TORCHINDUCTOR_CACHE_DIR; reusing a cache the AVX-512 run filled gives NaN logits: issue 45).
     torch.testing.assert_close(before, eager, **logits_tol(eager, TINY.n_layers, contraction_width(model, SEQ)))
 
 
