@@ -3,10 +3,11 @@
 - The local S3 server (tests/s3_server.py) and the storage a checkpoint test runs against, so one test proves a
   behaviour on a local folder and on an object store.
 - `TT_TOLERANCE_LOG=path.jsonl` records every `torch.testing.assert_close` the suite makes: the test, the
-  tolerance it asked for and the largest relative and absolute differences it saw (passing or not). Run the
-  suite once per kernel set (default, and with the AVX2 caps of README's Tests section) and
-  `python scripts/diagnostics/tolerance_margins.py LOG...` lists the comparisons whose observed difference comes
-  closest to their tolerance: how the tolerances in tests/tolerances.py are checked on each CPU kind.
+  tolerance it asked for and the largest relative and absolute differences it saw (passing or not), in the
+  ranks that tests/multiprocess.py starts too. Run the suite once per kernel set (default, and with the AVX2
+  caps of README's Tests section) and `python scripts/diagnostics/tolerance_margins.py LOG...` lists the
+  comparisons whose observed difference comes closest to their tolerance: how the tolerances in
+  tests/tolerances.py are checked on each CPU kind.
 """
 
 import json
@@ -93,12 +94,8 @@ def _differences(actual, expected, rtol, atol) -> dict | None:
         return None  # nested containers and non-numeric inputs: not recorded
 
 
-@pytest.fixture(autouse=True)
-def _record_tolerances(request, monkeypatch):
-    if not _LOG:
-        yield
-        return
-    original = torch.testing.assert_close
+def recording_assert_close(original, test: str):
+    """`original` (torch.testing.assert_close) that also appends its tolerance and differences to the log."""
 
     def recording(actual, expected, *args, **kwargs):
         found = _differences(actual, expected, kwargs.get("rtol"), kwargs.get("atol"))
@@ -107,7 +104,22 @@ def _record_tolerances(request, monkeypatch):
         finally:
             if found is not None:  # usage > 1 in a passing test: a negative control's expected failure
                 with open(_LOG, "a") as f:
-                    f.write(json.dumps({"test": request.node.nodeid, **found}) + "\n")
+                    f.write(json.dumps({"test": test, **found}) + "\n")
 
-    monkeypatch.setattr(torch.testing, "assert_close", recording)
+    return recording
+
+
+def record_in_rank() -> None:
+    """In a rank forked by tests/multiprocess.py (a fresh interpreter): record its comparisons under the test
+    that started it (pytest's PYTEST_CURRENT_TEST, handed down with the environment)."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    if _LOG and test:
+        torch.testing.assert_close = recording_assert_close(torch.testing.assert_close, test)
+
+
+@pytest.fixture(autouse=True)
+def _record_tolerances(request, monkeypatch):
+    if _LOG:
+        monkeypatch.setattr(torch.testing, "assert_close",
+                            recording_assert_close(torch.testing.assert_close, request.node.nodeid))
     yield

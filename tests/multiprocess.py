@@ -57,6 +57,10 @@ def _worker(rank, world_size, port, fn, args, queue, env, cwd):
     import torch
 
     torch.set_num_threads(1)
+    if os.environ.get("TT_TOLERANCE_LOG"):
+        from tests.conftest import record_in_rank
+
+        record_in_rank()
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)

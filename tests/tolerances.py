@@ -10,8 +10,10 @@ MKL_ENABLE_INSTRUCTIONS=AVX2`); docs/performance.md names the runs.
 
 import torch
 
-# Unit roundoff of float32: each rounded operation is off by at most this, relatively.
+# Unit roundoff: each rounded operation is off by at most this, relatively.
 FP32_U = torch.finfo(torch.float32).eps / 2  # 5.96e-8
+FP64_U = torch.finfo(torch.float64).eps / 2  # 1.11e-16
+BF16_U = torch.finfo(torch.bfloat16).eps / 2  # 3.91e-3
 
 
 def reordered_sum_rtol(n: int, condition: float = 1.0, u: float = FP32_U) -> float:
@@ -22,6 +24,56 @@ def reordered_sum_rtol(n: int, condition: float = 1.0, u: float = FP32_U) -> flo
     failure below 1e-8 per comparison. `condition` is sum |x| / |sum x|: a sum of terms that cancel (a gradient
     over tokens that pull both ways) moves relatively more than a sum of positive terms (a loss)."""
     return 6 * u * (2 * n) ** 0.5 * condition
+
+
+def chain_tol(scale: float, depth: int, width: int, condition: float = 1.0, u: float = FP32_U) -> dict:
+    """`assert_close` tolerances for two implementations of one computation that chain `depth` contractions
+    (matmuls, softmax denominators, norms' mean squares) of at most `width` terms each, summed in other orders.
+
+    Each contraction's reordering is a random walk of `width` roundings at the scale of its terms, and the
+    chain's are independent, so the output moves like one sum of depth x width terms: reordered_sum_rtol of
+    that. Outputs near zero keep the absolute error of their terms, which are at the output's scale: atol is
+    the same fraction of `scale` (the largest |expected|). `condition` is what the chain amplifies a relative
+    error by: sharp weights (logits of many units through a softmax) or a solve; each site says where its own
+    comes from and what it measured."""
+    rtol = reordered_sum_rtol(depth * width, condition, u)
+    return {"rtol": rtol, "atol": rtol * scale}
+
+
+# A transformer block chains 7 contractions: the q/k/v projections, the scores, probabilities x values, the
+# output projection, the FFN's input and output projections, and one norm's mean square; the output head adds 2.
+BLOCK_CONTRACTIONS = 7
+
+
+def logits_tol(expected: torch.Tensor, n_layers: int, width: int, condition: float = 1.0) -> dict:
+    """Two float32 forward passes of one model (ours and transformers', or eager and compiled) on the same
+    weights: `width` is the longest contraction (the model width, FFN width or sequence, whichever is
+    longest). chain_tol over BLOCK_CONTRACTIONS x n_layers + 2 contractions at the logits' scale."""
+    return chain_tol(float(expected.abs().max()), BLOCK_CONTRACTIONS * n_layers + 2, width, condition)
+
+
+def contraction_width(model: torch.nn.Module, seq: int) -> int:
+    """The longest contraction of a forward pass: a linear layer's input width or the sequence (attention)."""
+    return max([seq] + [p.shape[-1] for p in model.parameters() if p.dim() == 2])
+
+
+def attention_tol(expected: torch.Tensor, seq: int, head_dim: int, gradient: bool = False,
+                  condition: float = 1.0) -> dict:
+    """One attention by two float32 kernels: the scores (head_dim terms), the softmax denominator and
+    probabilities x values (seq terms each); a gradient chains the forward's three and three more (dP, the
+    softmax's backward sum, dS x K or dS^T x Q)."""
+    return chain_tol(float(expected.abs().max()), 6 if gradient else 3, max(seq, head_dim), condition)
+
+
+def optimizer_steps_tol(steps: int, lr: float, ops_per_step: int = 8, condition: float = 1.0) -> dict:
+    """Parameters after `steps` updates by two implementations of one optimizer (fused vs for-each, ours vs
+    torch's) on the same batches. No reduction is reordered: each step rounds ~ops_per_step elementwise
+    operations per entry (the moments, a root, a division, the decay, the subtraction), each off by u relative
+    on either side, so 2 x steps x ops u relative; a parameter near zero keeps its updates' absolute error
+    instead (an update entry is at most ~lr): lr times that, times what the update rule amplifies an input's
+    error by (`condition`: Newton-Schulz's, for Muon)."""
+    rtol = 2 * steps * ops_per_step * FP32_U
+    return {"rtol": rtol, "atol": lr * rtol * condition}
 
 
 # Training curves of the parity tests (float32, tiny flavors, 4-10 steps, 8 sequences x 64 tokens a step):

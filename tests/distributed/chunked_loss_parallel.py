@@ -1,7 +1,7 @@
 """The chunked cross entropy under TP's loss parallel (vocabulary-sharded DTensor logits on the "tp" mesh
 dimension of a 2 x 2 mesh) equals the plain loss in one process: the loss and the logits' gradient (fp32,
-1e-6), the gradient still sharded over the vocabulary. Run inside test_muon_parity.py's 4-rank group (one
-spawn for both); one process, plain tensors: tests/unit/test_chunked_loss.py."""
+tests/tolerances.chain_tol), the gradient still sharded over the vocabulary. Run inside test_muon_parity.py's
+4-rank group (one spawn for both); one process, plain tensors: tests/unit/test_chunked_loss.py."""
 
 import torch
 
@@ -33,6 +33,7 @@ def chunked_under_loss_parallel():
 
 
 def check_against_one_process(got_loss, sharded, got_grad) -> None:
+    from tests.tolerances import chain_tol
     from torchtitan.components.loss import cross_entropy_sum
 
     full, labels = _batch()
@@ -40,5 +41,9 @@ def check_against_one_process(got_loss, sharded, got_grad) -> None:
     loss = cross_entropy_sum(logits, labels)
     loss.backward()
     assert sharded
-    torch.testing.assert_close(got_loss, loss.detach(), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(got_grad, logits.grad, rtol=1e-6, atol=1e-6)
+    # the loss's two chained sums (the log-sum-exp over the vocabulary, the tokens), as in
+    # tests/unit/test_chunked_loss.py; loss parallel splits the first over the TP ranks.
+    # Measured: uses 0.0085 of it (AVX-512), 0.0085 (AVX2 caps).
+    width = max(labels.numel(), full.shape[-1])
+    torch.testing.assert_close(got_loss, loss.detach(), **chain_tol(loss.abs().item(), 2, width))
+    torch.testing.assert_close(got_grad, logits.grad, **chain_tol(logits.grad.abs().max().item(), 2, width))

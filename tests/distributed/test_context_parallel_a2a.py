@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 
 from tests.multiprocess import run_ranks
+from tests.tolerances import attention_tol
 from torchtitan.distributed.context_parallel import gather_sequence, shard_sequence
 from torchtitan.distributed.context_parallel_a2a import check_cp_method, group_order
 from torchtitan.distributed.parallel_dims import LayoutError
 
-ATOL = RTOL = 1e-5
 SEQ_DIM = 2
 
 
@@ -65,7 +65,9 @@ def _compare(rank: int, world_size: int, method: str, a2a_degree: int) -> None:
                    **{f"d{n}": gather_sequence(t.grad, SEQ_DIM) for n, t in zip("qkv", local)}}
             want = {"out": ref.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
             for name in got:
-                torch.testing.assert_close(got[name], want[name], atol=ATOL, rtol=RTOL,
+                # Measured: uses 0.087 of it (AVX-512), 0.076 (AVX2 caps).
+                tol = attention_tol(want[name], seq, dim, gradient=name != "out")
+                torch.testing.assert_close(got[name], want[name], **tol,
                                            msg=lambda m: f"hkv={hkv} v_dim={v_dim} docs={doc is not None} {name}: {m}")
     if method == "ulysses":
         # A per-head kernel input (attention sinks) reaches the kernel cut to this rank's head shard.

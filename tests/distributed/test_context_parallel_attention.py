@@ -2,7 +2,7 @@
 
 Every rank builds the same full q/k/v from a fixed seed, computes the reference with
 F.scaled_dot_product_attention(is_causal=True) on the whole sequence, then runs ContextParallelAttention on its
-load-balanced shard and gathers outputs and input gradients. Tolerance: fp32, atol=1e-5, rtol=1e-5.
+load-balanced shard and gathers outputs and input gradients. Tolerance: tests/tolerances.attention_tol (fp32).
 """
 
 import pytest
@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.multiprocess import run_ranks
+from tests.tolerances import attention_tol
 from torchtitan.distributed.context_parallel import (
     ContextParallelAttention,
     _visible_blocks,
@@ -20,7 +21,6 @@ from torchtitan.distributed.context_parallel import (
     unshard_sequence,
 )
 
-ATOL = RTOL = 1e-5
 SEQ_DIM = 2
 
 
@@ -108,7 +108,10 @@ def _compare_with_reference(rank: int, world_size: int, rotate_method: str) -> d
         }
         for name, (got, want) in results.items():
             errors[f"{heads}/{name}"] = float((got - want).abs().max())
-            torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=lambda m: f"{heads} {name}: {m}")
+            # the ring's per-block partial softmaxes merged by log-sum-exp: the same sums, another order. Measured: uses
+            # 0.089 of it (AVX-512), 0.075 (AVX2 caps).
+            tol = attention_tol(want, seq, dim, gradient=name != "out")
+            torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{heads} {name}: {m}")
     return errors
 
 

@@ -1,7 +1,7 @@
 """Ring attention honours the attention kinds: a sliding window shorter than a cp chunk (blocks wholly outside
 it skipped), sinks counted once per row, documents, GQA; forward and gradients (q, k, v, sinks) equal the
-explicit-softmax reference of tests/unit/test_attention_kinds.py within 1e-5 (fp32), both rotate methods;
-with the sinks dropped the same comparison fails.
+explicit-softmax reference of tests/unit/test_attention_kinds.py within tests/tolerances.attention_tol (fp32),
+both rotate methods; with the sinks dropped the same comparison fails.
 """
 
 import pytest
@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from tests.multiprocess import run_ranks
+from tests.tolerances import attention_tol
 from tests.unit.test_attention_kinds import reference
 from torchtitan.distributed.context_parallel import ContextParallelAttention, _blocks, gather_sequence, shard_sequence
 
@@ -37,15 +38,19 @@ def _compare(rank, world_size, rotate_method, window):
     out.backward(shard_sequence(dout, SEQ_DIM, world_size, rank))
     dsinks = local_sinks.grad.clone()
     dist.all_reduce(dsinks)  # each rank's queries' share
-    torch.testing.assert_close(gather_sequence(out.detach(), SEQ_DIM), ref.detach(), atol=1e-5, rtol=1e-5)
+    # the ring's merged partial softmaxes against the full score matrix, float32. Measured: uses 0.11 of it (AVX-512),
+    # 0.11 (AVX2 caps).
+    s, d = q.shape[2], q.shape[3]
+    tol = attention_tol(ref, s, d)
+    torch.testing.assert_close(gather_sequence(out.detach(), SEQ_DIM), ref.detach(), **tol)
     for t, full in zip(local, (q, k, v)):
-        torch.testing.assert_close(gather_sequence(t.grad, SEQ_DIM), full.grad, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(dsinks, sinks.grad, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(gather_sequence(t.grad, SEQ_DIM), full.grad, **attention_tol(full.grad, s, d, True))
+    torch.testing.assert_close(dsinks, sinks.grad, **attention_tol(sinks.grad, s, d, True))
     # Negative control: the same comparison notices the sinks dropped.
     with torch.no_grad():
         dropped = ContextParallelAttention(dist.group.WORLD, rotate_method, window)(
             *local, document_ids=shard_sequence(ids, 1, world_size, rank))
-    assert not torch.allclose(gather_sequence(dropped, SEQ_DIM), ref.detach(), atol=1e-3)
+    assert (gather_sequence(dropped, SEQ_DIM) - ref).abs().max() > 100 * (tol["atol"] + tol["rtol"] * ref.abs().max())
     return rank
 
 

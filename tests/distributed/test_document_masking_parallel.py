@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tests.multiprocess import run_ranks
-from tests.unit.test_document_masking import SEQ, build_model, packed_batches
+from tests.tolerances import contraction_width, logits_tol
+from tests.unit.test_document_masking import SEQ, TINY, build_model, packed_batches
 
 pytestmark = pytest.mark.distributed
 
@@ -50,6 +51,9 @@ def test_document_masking_is_exact_under_parallelism(mode):
     for variant in {v for v, _, _ in results}:
         orig, after = results[variant, True, "orig"], results[variant, True, "changed"]
         assert torch.equal(orig[~in_a], after[~in_a]), variant  # difference exactly 0
-        torch.testing.assert_close(orig, expected, rtol=1e-5, atol=1e-5)
+        # CP's ring or TP's sharded contractions against one process: two float32 forward passes. Measured: uses 0.0043
+        # of it (AVX-512), 0.0043 (AVX2 caps).
+        tol = logits_tol(expected, TINY.n_layers, contraction_width(reference, SEQ))
+        torch.testing.assert_close(orig, expected, **tol)
         leak = (results[variant, False, "orig"] - results[variant, False, "changed"])[~in_a]
         assert leak.abs().amax(-1).min() > 1e-4, variant  # masking off: document A reaches every later token

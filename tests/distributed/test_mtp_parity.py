@@ -15,6 +15,7 @@ import torch
 
 from tests.distributed.test_parity_2d import assert_parity
 from tests.distributed.trainer_runs import curves, train
+from tests.tolerances import LOSS_RTOL
 
 pytestmark = pytest.mark.distributed
 
@@ -49,7 +50,8 @@ def test_layout_matches_single_process(layout, reference, tmp_path):
     steps, _ = train(world, MTP + argv, str(tmp_path))
     ref_curves, ref_mtp = reference
     assert_parity(curves(steps), ref_curves)
-    torch.testing.assert_close(_mtp_curve(steps), ref_mtp, rtol=1e-5, atol=0)
+    # the MTP loss is a mean of positive per-token terms like the main loss: LOSS_RTOL (tests/tolerances.py)
+    torch.testing.assert_close(_mtp_curve(steps), ref_mtp, rtol=LOSS_RTOL, atol=0)
 
 
 def _embeddings_detached_between_stages(rank, world_size):

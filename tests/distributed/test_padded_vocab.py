@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from tests.distributed.test_hf_any_size import CASES, _hf_logits, _logits
+from tests.distributed.test_hf_any_size import CASES, _hf_logits, _logits, hf_config_tol
 from tests.multiprocess import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -124,8 +124,10 @@ def test_a_padded_vocabulary_loads_trains_and_comes_back_bit_exact(trained, fami
     hf_in, hf_out = root / family / "hf_in", root / family / "run" / "checkpoint" / "hf-step-2"
     expected = _hf_logits(str(hf_in))
     assert before.shape[-1] == VOCAB
-    torch.testing.assert_close(before, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item(),
-                               msg=f"{family}: HF -> ours")
+    # qwen3_5: the unit test's dense shape, 5 layers, FFN 80. Measured: uses 0.14 of it (AVX-512), 0.096 (AVX2 caps).
+    case = FAMILIES[family][0]
+    config = CASES[case][2] if case else {"num_hidden_layers": 5, "intermediate_size": 80, "hidden_size": 48}
+    torch.testing.assert_close(before, expected, **hf_config_tol(config, expected), msg=f"{family}: HF -> ours")
     written, original = _tensors(str(hf_out)), _tensors(str(hf_in))
     assert sorted(written) == sorted(original)
     assert original["model.embed_tokens.weight"].shape[0] == VOCAB

@@ -9,6 +9,7 @@ shapes where the query blocks, the window and the documents cut each other uneve
 import pytest
 import torch
 
+from tests.tolerances import attention_tol
 from torchtitan.models.common import attention
 from torchtitan.models.common.attention import ScaledDotProductAttention, blockwise_attention
 
@@ -64,23 +65,26 @@ def test_forward_and_gradients_match_explicit_softmax(case, block):
         t.requires_grad_(True)
     out = blockwise_attention(q, k, v, ids, c.get("window"), sinks, block=block)
     ref = reference(q, k, v, ids, c.get("window"), sinks)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    s, d = q.shape[2], q.shape[3]
+    # Blocks of 16 or 256 against the full score matrix (float32): Measured: uses 0.071 of it (AVX-512), 0.071 (AVX2
+    # caps).
+    torch.testing.assert_close(out, ref, **attention_tol(ref, s, d))
     g = torch.randn_like(out)
     got = torch.autograd.grad(out, leaves, g)
     want = torch.autograd.grad(ref, leaves, g)
     for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, **attention_tol(b, s, d, gradient=True))
 
 
 def test_the_kernel_module_reads_its_kind():
     q, k, v, sinks, _ = _inputs(seed=1)
-    torch.testing.assert_close(ScaledDotProductAttention(window=6)(q, k, v, sinks=sinks),
-                               reference(q, k, v, window=6, sinks=sinks), rtol=1e-5, atol=1e-5)
-    # Negative controls: without the sink, or without the window, the answer differs.
-    assert not torch.allclose(ScaledDotProductAttention(window=6)(q, k, v), reference(q, k, v, window=6, sinks=sinks),
-                              atol=1e-3)
-    assert not torch.allclose(ScaledDotProductAttention()(q, k, v, sinks=sinks),
-                              reference(q, k, v, window=6, sinks=sinks), atol=1e-3)
+    ref = reference(q, k, v, window=6, sinks=sinks)
+    # as above: Measured: uses 0.015 of it (AVX-512), 0.015 (AVX2 caps).
+    tol = attention_tol(ref, q.shape[2], q.shape[3])
+    torch.testing.assert_close(ScaledDotProductAttention(window=6)(q, k, v, sinks=sinks), ref, **tol)
+    # Negative controls: without the sink, or without the window, the answer differs far beyond the tolerance.
+    for wrong in (ScaledDotProductAttention(window=6)(q, k, v), ScaledDotProductAttention()(q, k, v, sinks=sinks)):
+        assert (wrong - ref).abs().max() > 100 * (tol["atol"] + tol["rtol"] * ref.abs().max())
 
 
 def test_key_spans_stop_at_the_window():

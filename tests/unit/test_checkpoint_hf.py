@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.tolerances import contraction_width, logits_tol
 from tests.unit.checkpoint_helpers import inventory, losses, run
 from tests.unit.test_state_dict_adapter import hf_llama_forward
 from torchtitan.components.checkpoint.manager import CheckpointError
@@ -69,7 +70,10 @@ def test_converted_folder_gives_the_exported_logits(export, hf_folder):
             config = json.load(f)
         # An independent Llama in HF conventions (rotate_half RoPE, HF names) on the safetensors file itself.
         hf_logits = hf_llama_forward(load_file(os.path.join(hf_folder, "model.safetensors")), config, tokens)
-    torch.testing.assert_close(hf_logits, expected, rtol=1e-4, atol=1e-4)
+    # Two float32 forward passes (the test's own HF-convention Llama). Measured: uses 0.002 of it (AVX-512), 0.002 (AVX2
+    # caps).
+    torch.testing.assert_close(hf_logits, expected,
+                               **logits_tol(expected, len(ours.layers), contraction_width(ours, tokens.shape[1])))
 
 
 def test_training_starts_from_hf_like_from_the_export(export, hf_folder, tmp_path):

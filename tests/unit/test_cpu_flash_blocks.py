@@ -5,6 +5,7 @@ kernel picks the flash path on CPU in eager mode for each of them (plain causal 
 import pytest
 import torch
 
+from tests.tolerances import attention_tol
 from torchtitan.models.common import attention
 
 
@@ -25,8 +26,10 @@ def test_equals_the_plain_torch_span_loop_in_float32(window, sinks, docs):
         return [out.detach()] + [t.grad for t in leaves]
 
     ref, new = run(attention.blockwise_attention), run(attention.cpu_flash_block_attention)
+    # SDPA's flash kernel (its own blocks and online softmax) against the span loop, float32: Measured: uses 0.018 of it
+    # (AVX-512), 0.018 (AVX2 caps).
     for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), ref, new):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=2e-5, msg=name)
+        torch.testing.assert_close(b, a, **attention_tol(a, seq, dim, gradient=name != "out"), msg=name)
 
 
 def test_the_shared_kernel_picks_it_on_cpu_eager(monkeypatch):
@@ -36,10 +39,13 @@ def test_the_shared_kernel_picks_it_on_cpu_eager(monkeypatch):
     q, k, v = torch.randn(1, 2, 64, 16), torch.randn(1, 1, 64, 16), torch.randn(1, 1, 64, 16)
     out = attention.ScaledDotProductAttention(window=8)(q, k, v)
     assert calls == [1]
-    torch.testing.assert_close(out, attention.blockwise_attention(q, k, v, window=8), rtol=1e-5, atol=1e-5)
+    ref = attention.blockwise_attention(q, k, v, window=8)
+    # as above: Measured: uses 0.029 of it (AVX-512), 0.029 (AVX2 caps).
+    torch.testing.assert_close(out, ref, **attention_tol(ref, 64, 16))
     ids = torch.tensor([[0] * 20 + [1] * 44])
     out = attention.ScaledDotProductAttention()(q, k, v, ids)  # documents alone
     assert calls == [1, 1]
-    torch.testing.assert_close(out, attention.blockwise_attention(q, k, v, ids), rtol=1e-5, atol=1e-5)
+    ref = attention.blockwise_attention(q, k, v, ids)
+    torch.testing.assert_close(out, ref, **attention_tol(ref, 64, 16))
     attention.ScaledDotProductAttention()(q, k, v)  # plain causal keeps SDPA
     assert calls == [1, 1]

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs  # noqa: E402
 from torchtitan.models.deepseek_v3.model import DeepSeekV3Model  # noqa: E402
 from torchtitan.models.deepseek_v3.state_dict_adapter import FP8_MESSAGE, DeepSeekV3StateDictAdapter  # noqa: E402
+from tests.tolerances import contraction_width, logits_tol  # noqa: E402
 from torchtitan.components.moe import MoEArgs  # noqa: E402
 from torchtitan.components.checkpoint.hf_folder import load_hf_folder, save_hf_folder  # noqa: E402
 
@@ -52,7 +53,10 @@ def test_ours_to_hf_logits(variant, tmp_path):
             block.moe.expert_bias.copy_(torch.randn(8) * 0.1)
         ours = model(TOKENS).logits
     save_hf_folder(model.state_dict(), DeepSeekV3StateDictAdapter, VARIANTS[variant], str(tmp_path), dtype=torch.float32)
-    torch.testing.assert_close(_hf_logits(str(tmp_path)), ours, rtol=1e-5, atol=1e-5)
+    # Two float32 forward passes of 3 blocks (MLA, sigmoid-routed MoE). Measured: uses 0.0025 of it (AVX-512), 0.0025
+    # (AVX2 caps).
+    torch.testing.assert_close(_hf_logits(str(tmp_path)), ours,
+                               **logits_tol(ours, ARGS.n_layers, contraction_width(model, TOKENS.shape[1])))
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -77,7 +81,9 @@ def test_hf_to_ours_logits(variant, tmp_path):
     model = _our_model(args)
     model.load_state_dict(state, strict=True)
     with torch.no_grad():
-        torch.testing.assert_close(model(TOKENS).logits, expected, rtol=1e-5, atol=1e-5)
+        # As above, the other way. Measured: uses 0.0073 of it (AVX-512), 0.0084 (AVX2 caps).
+        torch.testing.assert_close(model(TOKENS).logits, expected,
+                                   **logits_tol(expected, ARGS.n_layers, contraction_width(model, TOKENS.shape[1])))
 
 
 def test_fp8_checkpoint_refused_in_one_line():

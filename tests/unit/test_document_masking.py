@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import torchtitan.models.common.attention as attention
+from tests.tolerances import attention_tol, contraction_width, logits_tol
 from torchtitan.components.tokenizer.backends import build_tokenizer
 from torchtitan.protocols.documents import document_ids_from_bos, positions_in_documents
 from torchtitan.datasets.packing import SampleFeatures, Window, make_sample
@@ -68,7 +69,10 @@ def test_a_packed_document_with_restarted_positions_equals_it_alone():
     with torch.no_grad():
         packed = model(tokens, document_ids=ids, positions=positions_in_documents(ids))
         alone = model(tokens[:1, 17:40])  # row 0's document B as a sequence of its own
-    torch.testing.assert_close(packed[0, 17:40], alone[0], rtol=1e-5, atol=1e-5)
+    # The packed row takes the document blocks, the lone one plain SDPA: two float32 forward passes. Measured: uses
+    # 0.0016 of it (AVX-512), 0.0016 (AVX2 caps).
+    tol = logits_tol(alone, TINY.n_layers, contraction_width(model, SEQ))
+    torch.testing.assert_close(packed[0, 17:40], alone[0], **tol)
 
 
 def test_blockwise_cpu_path_equals_dense_masked_attention(monkeypatch):
@@ -81,7 +85,9 @@ def test_blockwise_cpu_path_equals_dense_masked_attention(monkeypatch):
     pos = torch.arange(SEQ)
     mask = attention.document_causal_mask(ids, ids, pos, pos).unsqueeze(1)
     dense = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    torch.testing.assert_close(attention.ScaledDotProductAttention()(q, k, v, ids), dense, rtol=1e-6, atol=1e-6)
+    # Blocks of 8 against one masked SDPA call, float32. Measured: uses 0.014 of it (AVX-512), 0.012 (AVX2 caps).
+    got = attention.ScaledDotProductAttention()(q, k, v, ids)
+    torch.testing.assert_close(got, dense, **attention_tol(dense, SEQ, 16))
 
 
 def test_loader_marks_documents_by_bos_and_restarts_positions():
@@ -111,7 +117,8 @@ def test_flex_attention_on_cuda_is_exact_and_matches_dense_masking():
     pos = torch.arange(SEQ, device="cuda")
     mask = attention.document_causal_mask(ids, ids, pos, pos).unsqueeze(1)
     dense = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    torch.testing.assert_close(attention.ScaledDotProductAttention()(q, k, v, ids), dense, rtol=1e-5, atol=1e-5)
+    got = attention.ScaledDotProductAttention()(q, k, v, ids)
+    torch.testing.assert_close(got, dense, **attention_tol(dense, SEQ, 16))
 
 
 def test_compiled_cpu_model_is_exact_across_documents_and_matches_eager():
@@ -128,7 +135,9 @@ def test_compiled_cpu_model_is_exact_across_documents_and_matches_eager():
         before, after = model(tokens, document_ids=ids), model(changed, document_ids=ids)
     assert torch.equal(before[~in_a], after[~in_a])  # difference exactly 0
     assert not torch.allclose(before[in_a], after[in_a])
-    torch.testing.assert_close(before, eager, rtol=1e-5, atol=1e-5)
+    # inductor fuses and reorders the float32 sums: two forward passes. Measured: uses 0.0051 of it (AVX-512), 0.0051
+    # (AVX2 caps, fresh TORCHINDUCTOR_CACHE_DIR; reusing a cache the AVX-512 run filled gives NaN logits: issue 45).
+    torch.testing.assert_close(before, eager, **logits_tol(eager, TINY.n_layers, contraction_width(model, SEQ)))
 
 
 def test_values_narrower_than_queries_take_the_exact_loop_on_cpu():
@@ -149,5 +158,6 @@ def test_values_narrower_than_queries_take_the_exact_loop_on_cpu():
     got = run(lambda q, k, v: attention.ScaledDotProductAttention()(q, k, v, ids))
     want = run(lambda q, k, v: F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
                                                               attn_mask=mask))
+    # the span loop against one masked SDPA call, float32. Measured: uses 0.03 of it (AVX-512), 0.03 (AVX2 caps).
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(a, b, **attention_tol(b, SEQ, 8, gradient=name != "out"), msg=name)

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from tests.tolerances import contraction_width, logits_tol
 from torchtitan.components.checkpoint.hf_folder import load_hf_folder, save_hf_folder
 from torchtitan.config import ConfigError, save_config
 from torchtitan.job_plan import plan_job
@@ -189,10 +190,12 @@ def test_yarn_without_mscale_all_dim_reads_as_transformers(tmp_path):
     ours.load_state_dict(state)
     with torch.no_grad():
         logits = ours.eval()(tokens).logits
-    scale = expected.abs().max().item()
-    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5 * scale)
+    # Two float32 forward passes (MLA, MoE), weights of std 0.3: condition 4. Measured: uses 0.0051 of it (AVX-512),
+    # 0.0048 (AVX2 caps).
+    tol = logits_tol(expected, args.n_layers, contraction_width(ours, tokens.shape[1]), condition=4)
+    torch.testing.assert_close(logits, expected, **tol)
     # and back: what we write, transformers reads as the same model
     save_hf_folder(ours.state_dict(), Adapter, args, str(tmp_path / "back"), dtype=torch.float32)
     back = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager").eval()
     with torch.no_grad():
-        torch.testing.assert_close(back(tokens).logits, expected, rtol=1e-5, atol=1e-5 * scale)
+        torch.testing.assert_close(back(tokens).logits, expected, **tol)

@@ -13,6 +13,7 @@ import dataclasses
 import pytest
 import torch
 
+from tests.tolerances import contraction_width, logits_tol
 from torchtitan.components.loss import cross_entropy_sum, mtp_labels, token_and_mtp_loss
 from torchtitan.models.deepseek_v3.flavors import deepseek_v3_flavors
 from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
@@ -80,7 +81,10 @@ def test_depth_one_loss_equals_the_papers_equations():
     ours = ours / labels.numel()
     with torch.no_grad():
         expected = _paper_loss(model, tokens, labels[:, -1])
-    torch.testing.assert_close(ours.detach(), expected, rtol=1e-6, atol=1e-6)
+    # The trunk is the same code on both sides; the head, the MTP block and the two losses (log-softmax over
+    # the vocabulary, a mean over tokens) are written out: a forward pass of one block. Measured: uses 0.0023 of it
+    # (AVX-512), 0.0023 (AVX2 caps).
+    torch.testing.assert_close(ours.detach(), expected, **logits_tol(expected, 1, contraction_width(model, 12)))
     assert sums[1].tolist() == [2 * 11]  # depth 1 trains T - 1 positions per sequence
     # the MTP term matters at this tolerance: without it, or with the halves swapped, the loss differs
     main_only = cross_entropy_sum(out.logits, labels) / labels.numel()

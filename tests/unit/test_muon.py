@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.tolerances import chain_tol, optimizer_steps_tol
 from tests.unit.checkpoint_helpers import losses, run
 from torchtitan.components.optim import muon
 from torchtitan.components.optim.optimizer import build_optimizers
@@ -39,7 +40,9 @@ def test_newton_schulz_is_the_polynomial_of_the_singular_values(shape):
     expected = u @ torch.diag(_singular_value_map(s, 5)) @ vh
     got = muon.newton_schulz(g, 5, torch.float32)
     assert got.dtype == torch.float32 and got.shape == g.shape
-    torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-5)
+    # float32 against float64: 5 iterations of 3 matmuls, each contracting at most max(shape) terms. Measured: uses
+    # 0.071 of it (AVX-512), 0.071 (AVX2 caps).
+    torch.testing.assert_close(got.double(), expected, **chain_tol(expected.abs().max().item(), 15, max(shape)))
 
 
 @pytest.mark.parametrize("shape", [(32, 128), (128, 32)])
@@ -158,7 +161,12 @@ def test_steps_match_torch_muon_for_matrices_and_torch_adamw_for_the_rest(monkey
     _train(model, ours, batches)
     _train(reference, Both(), batches)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+        # Same Newton-Schulz code on both sides; the momentum, Nesterov, decay, scale and AdamW's update are
+        # elementwise in another order, and Newton-Schulz multiplies a momentum's difference along its small
+        # singular directions by its linear coefficient a per iteration (a^5 = 485). Measured: uses 0.0049 of it
+        # (AVX-512), 0.0054 (AVX2 caps).
+        tol = optimizer_steps_tol(len(batches), cfg.lr, condition=muon.NS_COEFFICIENTS[0] ** cfg.muon_ns_steps)
+        torch.testing.assert_close(p, q, **tol, msg=name)
     assert not torch.equal(model.layers["0"].weight, _block_model().layers["0"].weight)  # it did train
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.tolerances import optimizer_steps_tol
 from torchtitan.components.optim import optimizer as optimizer_module
 from torchtitan.components.optim.optimizer import build_optimizers
 from torchtitan.config.job_config import Optimizer
@@ -155,7 +156,7 @@ def test_fused_unsupported_is_a_clear_error(monkeypatch):
 @pytest.mark.parametrize("name", ["AdamW", "Adam", "Muon"])
 def test_auto_picks_fused_on_cpu_and_matches_foreach(name, caplog):
     """The default (auto) runs torch's fused kernel on CPU, and trains to the same weights as the foreach
-    kernel it replaces within float32 rounding (rtol 1e-5, atol 1e-6 after 6 steps); the log names the kernel."""
+    kernel it replaces within float32 rounding (tests/tolerances.optimizer_steps_tol); the log names the kernel."""
     assert Optimizer().implementation == "auto"
     extra = {"muon_ns_dtype": "float32"} if name == "Muon" else {}
     auto_model, foreach_model = _tiny_model(), _tiny_model()
@@ -169,7 +170,8 @@ def test_auto_picks_fused_on_cpu_and_matches_foreach(name, caplog):
     _train(foreach_model, foreach, batches)
     moved = 0.0
     for (n, pa), pb, p0 in zip(auto_model.named_parameters(), foreach_model.parameters(), _tiny_model().parameters()):
-        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6, msg=n)
+        # Measured: uses 0.057 of it (AVX-512), 0.057 (AVX2 caps).
+        torch.testing.assert_close(pa, pb, **optimizer_steps_tol(len(batches), 1e-2), msg=n)
         moved = max(moved, (pa - p0).abs().max().item())
     assert moved > 1e-2  # the steps moved the weights, so equality above says something
 

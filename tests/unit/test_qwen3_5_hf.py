@@ -17,6 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from torchtitan.components.checkpoint.hf_folder import load_hf_folder, load_hf_into, save_hf_folder  # noqa: E402
+from tests.tolerances import logits_tol  # noqa: E402
 from torchtitan.components.moe import MoEArgs  # noqa: E402
 from torchtitan.models.qwen3_5.args import Qwen3_5ModelArgs, interval_layer_types  # noqa: E402
 from torchtitan.models.qwen3_5.model import Qwen3_5  # noqa: E402
@@ -41,8 +42,10 @@ def test_no_fused_kernels_installed():
 
 
 def _close(got, expected):
-    scale = expected.abs().max().item()
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * scale)
+    # Two float32 forward passes of up to 5 blocks (DeltaNet's chunked recurrence or attention, then the FFN);
+    # the longest contraction is the FFN's 80 (DeltaNet chunks of 8). Measured: uses 0.0069 of it (AVX-512), 0.0073
+    # (AVX2 caps).
+    torch.testing.assert_close(got, expected, **logits_tol(expected, DENSE.n_layers, DENSE.hidden_dim))
 
 
 def _logits(out):

@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers  # the test extra (pyproject.toml, scripts/ensure_env.sh)
 
+from tests.tolerances import contraction_width, logits_tol
 from torchtitan.config import ConfigError, ConfigManager
 from torchtitan.distributed.parallel_dims import LayoutError
 from torchtitan.job_plan import plan_job
@@ -78,7 +79,11 @@ def test_our_weights_in_transformers_give_our_logits(tie, tmp_path):
     assert (hf.lm_head.weight is hf.model.embed_tokens.weight) == tie
     tokens = _tokens()
     with torch.no_grad():
-        torch.testing.assert_close(hf(tokens).logits, ours(tokens), rtol=0, atol=1e-5)
+        expected = ours(tokens)
+        # Two float32 forward passes of 2 blocks (QK-norm, sharp random weights: condition 4). Measured: uses 0.0058 of
+        # it (AVX-512), 0.0058 (AVX2 caps).
+        torch.testing.assert_close(hf(tokens).logits, expected,
+                                   **logits_tol(expected, args.n_layers, contraction_width(ours, tokens.shape[1]), 4))
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
@@ -94,7 +99,10 @@ def test_transformers_weights_in_ours_give_its_logits(tie, tmp_path):
     assert (ours.output.weight is ours.tok_embeddings.weight) == tie
     tokens = _tokens()
     with torch.no_grad():
-        torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=0, atol=1e-5)
+        expected = hf(tokens).logits
+        # As above, the other way. Measured: uses 0.0056 of it (AVX-512), 0.0054 (AVX2 caps).
+        torch.testing.assert_close(ours(tokens), expected,
+                                   **logits_tol(expected, args.n_layers, contraction_width(ours, tokens.shape[1]), 4))
 
 
 def test_tied_folder_stores_the_matrix_once(tmp_path):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.tolerances import contraction_width, logits_tol
 from torchtitan.components.checkpoint.hf_folder import load_hf_folder, save_hf_folder
 from torchtitan.models.llama3.args import RopeScalingArgs, TransformerModelArgs
 from torchtitan.models.llama3.flavors import llama3_flavors
@@ -117,8 +118,13 @@ def test_hf_convention_forward_matches_ours():
         theirs = hf_llama_forward(hf, to_hf_config(ARGS), tokens)
         unpermuted = {k: model.state_dict()[k2] for k, k2 in zip(hf, model.state_dict())}
         wrong = hf_llama_forward(unpermuted, to_hf_config(ARGS), tokens)
-    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(wrong, ours, atol=1e-3)  # the permutation is needed, and the check can see it
+    # Two float32 forward passes (HF's rotate_half RoPE and names vs ours) through 2 blocks whose longest
+    # contraction is the FFN's; sharp attention (q/k weights of std 0.5) amplifies: condition 4. Measured: uses 0.026 of
+    # it (AVX-512), 0.026 (AVX2 caps).
+    tol = logits_tol(ours, ARGS.n_layers, contraction_width(model, tokens.shape[1]), condition=4)
+    torch.testing.assert_close(theirs, ours, **tol)
+    # the permutation is needed, and the check can see it (the unpermuted weights move logits by O(1))
+    assert (wrong - ours).abs().max() > 100 * tol["atol"]
 
 
 def test_partial_state_dict_and_unknown_keys():

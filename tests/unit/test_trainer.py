@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests.tolerances import LOSS_RTOL
 from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.tokenizer.backends import build_tokenizer
 from torchtitan.datasets.dataloader import build_text_dataloader
@@ -104,8 +105,10 @@ def test_accumulation_equals_one_big_batch(tmp_path, monkeypatch):
                        "--training.steps", "5", "--metrics.log_freq", "1", "--job.dump_folder", str(dump)]
         assert main(args) == 0
         runs[local] = torch.tensor([m["loss"] for m in losses(dump) if "loss" in m], dtype=torch.float64)
-    torch.testing.assert_close(runs[4], runs[8], rtol=1e-6, atol=0)
-    torch.testing.assert_close(runs[2], runs[8], rtol=1e-6, atol=0)
+    # Training curves of 8 x 64 tokens a step: the microbatches reorder the loss's token sum (LOSS_RTOL). Measured: uses
+    # 0.01 of it (AVX-512), 0.01 (AVX2 caps).
+    torch.testing.assert_close(runs[4], runs[8], rtol=LOSS_RTOL, atol=0)
+    torch.testing.assert_close(runs[2], runs[8], rtol=LOSS_RTOL, atol=0)
 
 
 def test_validation_logs_loss_and_perplexity(tmp_path, monkeypatch):
