@@ -136,7 +136,8 @@ def test_compiled_cpu_model_is_exact_across_documents_and_matches_eager():
     assert torch.equal(before[~in_a], after[~in_a])  # difference exactly 0
     assert not torch.allclose(before[in_a], after[in_a])
     # inductor fuses and reorders the float32 sums: two forward passes. Measured: uses 0.0051 of it (AVX-512), 0.0051
-    # (AVX2 caps, fresh TORCHINDUCTOR_CACHE_DIR; reusing a cache the AVX-512 run filled gives NaN logits: issue 45).
+    # (AVX2 caps). A graph the AVX-512 run cached, loaded under the caps, gave NaN logits: the compile cache is one
+    # folder per CPU kernel set since (distributed/compile.configure_compile_cache).
     torch.testing.assert_close(before, eager, **logits_tol(eager, TINY.n_layers, contraction_width(model, SEQ)))
 
 

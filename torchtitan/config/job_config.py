@@ -528,7 +528,7 @@ class Compile:
 
     components: list[str] = field(default_factory=lambda: ["model", "loss"])
     """What to compile: "model" (each transformer block) and/or "loss". Compiled kernels are cached in
-    $TORCHINDUCTOR_CACHE_DIR (default: $TORCHTITAN_CACHE_DIR/inductor or ~/.cache/torchtitan/inductor)."""
+    $TORCHINDUCTOR_CACHE_DIR (default: $TORCHTITAN_CACHE_DIR/inductor/<cpu isa> or ~/.cache/torchtitan/inductor/<cpu isa>)."""
 
     backend: str = "inductor"
     """The torch.compile backend: "inductor" generates fused kernels (the speed-up); "aot_eager" traces the

@@ -37,7 +37,10 @@ BACKENDS = ("inductor", "aot_eager")
 def configure_compile_cache() -> str:
     """Sets up the on-disk compile cache and returns its folder.
 
-    Folder: $TORCHINDUCTOR_CACHE_DIR, set here to the project cache if unset.
+    Folder: $TORCHINDUCTOR_CACHE_DIR, set here to the project cache if unset, one folder per CPU kernel set
+    (ATen's capability: avx512, avx2, ...; ATEN_CPU_CAPABILITY changes it). Inductor's CPU code takes its vector
+    ISA from that capability but its FX graph cache key does not include it, so a graph compiled for AVX-512 was
+    loaded under the AVX2 caps and gave NaN logits (tests/unit/test_document_masking.py, measured).
 
     Set through the environment (not inductor's config) so that spawned ranks and compile workers inherit it.
     Importing torch._dynamo, which almost any torch code does (even building a model on meta), writes torch's
@@ -48,7 +51,8 @@ def configure_compile_cache() -> str:
 
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
         base = os.environ.get("TORCHTITAN_CACHE_DIR", str(Path.home() / ".cache" / "torchtitan"))
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(base) / "inductor")
+        isa = torch.backends.cpu.get_cpu_capability().lower()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(base) / "inductor" / isa)
     # Inductor's FX graph cache stays on; AOTAutograd's cache is turned off. With tensor parallel its key does
     # not tell ranks apart (pytorch/pytorch#188390: DTensor cache keys omit the rank; on CPU every rank's
     # device is "cpu"), so a rank loads another rank's graph: measured, a warm-cache TP 2 run logged loss 2.20
