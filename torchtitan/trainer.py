@@ -9,6 +9,7 @@ The entry point is `torchtitan/train.py` (`./run_train.sh` or `python -m torchti
 import contextlib
 import dataclasses
 import gc
+import math
 import os
 import time
 import warnings
@@ -381,8 +382,10 @@ class Trainer:
         for m in self.model_parts:
             m.eval()
         try:
+            pd = self.parallel_dims  # pipeline stages and cp shards need rows of exactly seq_len: packed
             metrics = self.evaluator.run(forward_sums, self.dp_rank, self.dp_degree,
-                                         lambda x: self._reduce_over(x, "dp_cp"), self.device)
+                                         lambda x: self._reduce_over(x, "dp_cp"), self.device,
+                                         packed=pd.pp_enabled or pd.cp_enabled, row_multiple=math.lcm(8, pd.tp))
         finally:
             for m in self.model_parts:
                 m.train()

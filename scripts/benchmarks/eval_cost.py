@@ -1,13 +1,14 @@
 """What an evaluation of 1,000 requests costs at the debug shape, against lm-evaluation-harness on the same CPU.
 
-    python scripts/benchmarks/eval_cost.py [--requests 1000] [--harness-batch 32] [--ranks 1 2]
+    python scripts/benchmarks/eval_cost.py [--requests 1000] [--harness-batch 32] [--ranks 1 2] [--threads N]
 
 The debug model (train_configs/debug_model.toml: llama3 debugmodel, seq_len 256, float32, random init) is
 written as a Hugging Face folder; 1,000 multiple-choice requests (250 documents x 4 lines, the shipped task's
 recipe over the training split's docstring lines) are scored
 - by torchtitan's evaluation (python -m torchtitan.eval on the folder: packed rows of 256 tokens, batches of 8
-  rows), one process with every core, then N processes (torchrun) with cores / N threads each;
-- by lm_eval's HFLM.loglikelihood on the same (context, continuation) pairs, batch --harness-batch, every core.
+  rows), one process with every core (or --threads), then N processes (torchrun) with cores / N threads each;
+- by lm_eval's HFLM.loglikelihood on the same (context, continuation) pairs, batch --harness-batch, every core
+  (or --threads).
 Printed: seconds of scoring (model loading excluded on both sides), ranks x seconds, ms per request.
 """
 
@@ -57,7 +58,7 @@ def write_model(folder: str) -> None:
     save_hf_folder(model.state_dict(), spec.state_dict_adapter, args, folder, dtype=torch.float32, tokenizer=tok)
 
 
-def ours(folder: str, task: str, ranks: int, cores: int) -> float:
+def ours(folder: str, task: str, ranks: int, cores: int) -> float:  # cores: threads over all ranks
     """Seconds of scoring, rank 0's (every rank waits for the final sum, so it is the slowest's)."""
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(max(cores // ranks, 1))}
     out = os.path.join(os.path.dirname(folder), f"ours_{ranks}.json")
@@ -94,17 +95,22 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--harness-batch", type=int, default=32)
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--threads", type=int, default=0, help="threads of the one-process runs (0: every core)")
     args = p.parse_args()
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     cores = os.cpu_count() or 1
+    threads = args.threads or cores
+    import torch
+
+    torch.set_num_threads(threads)  # the harness's process
     with tempfile.TemporaryDirectory() as tmp:
         task = write_task(tmp, args.requests // 4)
         model = os.path.join(tmp, "hf")
         write_model(model)
         n = args.requests // 4 * 4
-        print(f"{n} requests, debug model (llama3 debugmodel, fp32), {cores} cores")
+        print(f"{n} requests, debug model (llama3 debugmodel, fp32), {cores} cores, one-process runs {threads} threads")
         for ranks in args.ranks:
-            s = ours(model, task, ranks, cores)
+            s = ours(model, task, ranks, threads if ranks == 1 else cores)
             print(f"torchtitan.eval  ranks {ranks}: {s:7.2f} s  ranks x s {ranks * s:7.2f}  {1000 * s / n:6.2f} ms/request")
         s = harness(model, task, args.harness_batch)
         print(f"lm_eval hf batch {args.harness_batch}: {s:7.2f} s  ranks x s {s:7.2f}  {1000 * s / n:6.2f} ms/request")

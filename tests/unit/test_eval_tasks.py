@@ -98,3 +98,22 @@ def test_task_failing_mid_run_is_reported_and_others_scored(tmp_path, caplog):
     metrics = evaluator.run(forward_sums)
     assert "eval/stdlib_next_line/acc" in metrics and not any(k.startswith("eval/t/") for k in metrics)
     assert "Evaluation of task t failed and is skipped: RuntimeError: boom" in caplog.text
+
+
+def test_entry_point_on_a_step_checkpoint_equals_the_in_loop_score(tmp_path):
+    """`python -m torchtitan.eval` on the DCP step checkpoint of a run scores exactly what the run's own [eval]
+    pass scored at that step (one process, float32: the same model and the same packed batches)."""
+    from tests.unit.checkpoint_helpers import run
+    from torchtitan.eval import __main__ as eval_main
+
+    run_dir = tmp_path / "run"
+    assert run(run_dir, "--training.steps", "1", "--checkpoint.enable", "--checkpoint.interval", "1",
+               "--eval.enable", "--eval.limit", "6", "--eval.local_batch_size", "2") == 0
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    in_loop = next(m for m in logged if "eval/stdlib_next_line/acc" in m)
+    out = tmp_path / "scores.json"
+    assert eval_main.main([str(run_dir / "checkpoint" / "step-1"), "--output", str(out)]) == 0
+    scores = json.loads(out.read_text())["metrics"]
+    for key in ("acc", "acc_norm", "acc_stderr"):
+        assert scores[f"eval/stdlib_next_line/{key}"] == in_loop[f"eval/stdlib_next_line/{key}"], key
+    assert scores["eval/stdlib_next_line/requests"] == 24

@@ -39,7 +39,9 @@ class Evaluator:
 
     def run(self, forward_sums: ForwardSums, dp_rank: int = 0, dp_degree: int = 1,
             reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
-            device: torch.device | str = "cpu") -> dict[str, float]:
+            device: torch.device | str = "cpu", packed: bool = False, row_multiple: int = 8) -> dict[str, float]:
+        """Every task scored; `packed` when the layout needs rows of exactly seq_len (pipeline, context
+        parallel; see scoring.py); else rows are padded to a multiple of `row_multiple` (the tp degree's)."""
         metrics: dict[str, float] = {}
         for reqs in self.tasks:
             name = reqs.task.name
@@ -48,7 +50,7 @@ class Evaluator:
                 window_ll = score_windows(reqs.windows, forward_sums, seq_len=self.seq_len,
                                           batch_size=self.cfg.local_batch_size, pad_id=self.pad_id,
                                           dp_rank=dp_rank, dp_degree=dp_degree, reduce_sum=reduce_sum,
-                                          device=device)
+                                          device=device, packed=packed, row_multiple=row_multiple)
                 lls = request_loglikelihoods(reqs, window_ll)
                 values = task_metrics(reqs, lls)
             except Exception as e:  # noqa: BLE001 - reported; the training goes on

@@ -1,6 +1,8 @@
 """Scoring windows with the model, however it is laid out, and the harness's metrics from the results.
 
-Windows are packed into rows of the training sequence length, several per row, each its own document
+Two batch shapes. Unpacked (one process, FSDP, TP, EP): one window per row, rows sorted by length and
+right-padded to the batch's longest, as the harness batches (plain causal attention, the cheapest). Packed
+(pipeline or context parallel, which need rows of exactly the training sequence length): windows are packed into rows of the training sequence length, several per row, each its own document
 (block-causal attention through `document_ids`, positions restarting at 0 through `positions`), so a short
 multiple-choice request costs its own tokens, not a padded row. Labels are the window's targets at its last
 positions and IGNORE_INDEX elsewhere; `source_ids` give each window of a batch its own slot, and the model's
@@ -74,6 +76,37 @@ def batch_tensors(rows: list[list[int]], windows: list[Window], seq_len: int, ba
     return inputs, labels, max(slot, 1)
 
 
+def group(windows: list[Window], token_budget: int) -> list[list[list[int]]]:
+    """Batches of one window per row, longest first, as many rows as fit `token_budget` at the batch's
+    longest row (the harness's length-sorted batches): no packing, so plain causal attention."""
+    order = sorted(range(len(windows)), key=lambda i: -len(windows[i].tokens))
+    batches: list[list[list[int]]] = []
+    while order:
+        rows = max(token_budget // len(windows[order[0]].tokens), 1)
+        batches.append([[i] for i in order[:rows]])
+        order = order[rows:]
+    return batches
+
+
+def row_tensors(rows: list[list[int]], windows: list[Window], pad_id: int,
+                row_multiple: int = 8) -> tuple[dict, torch.Tensor, int]:
+    """(inputs {tokens, source_ids}, labels, number of windows) of a batch of one window per row, right-padded
+    to its longest row rounded up to `row_multiple` (tensor parallel's sequence parallel splits the sequence
+    over the tp ranks); an empty batch is one padding row (labels all ignored)."""
+    length = max((len(windows[r[0]].tokens) for r in rows), default=1)
+    length = -(-length // row_multiple) * row_multiple
+    tokens = torch.full((max(len(rows), 1), length), pad_id, dtype=torch.long)
+    labels = torch.full_like(tokens, IGNORE_INDEX)
+    sources = torch.zeros_like(tokens)
+    for r, (i,) in enumerate(rows):
+        w = windows[i]
+        n = len(w.tokens)
+        tokens[r, :n] = torch.tensor(w.tokens)
+        labels[r, n - len(w.targets):n] = torch.tensor(w.targets)
+        sources[r] = r
+    return {"tokens": tokens, "source_ids": sources}, labels, max(len(rows), 1)
+
+
 def shard(batches: list, rank: int, degree: int) -> list:
     """This data-parallel rank's batches (round-robin), padded with empty ones to the same count on every rank."""
     count = -(-len(batches) // degree)
@@ -84,12 +117,21 @@ def shard(batches: list, rank: int, degree: int) -> list:
 def score_windows(windows: list[Window], forward_sums: ForwardSums, *, seq_len: int, batch_size: int,
                   pad_id: int, dp_rank: int = 0, dp_degree: int = 1,
                   reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
-                  device: torch.device | str = "cpu") -> torch.Tensor:
-    """The log-likelihood of every window (float64 [len(windows)]), the same on every rank."""
-    batches = pack(windows, seq_len, batch_size, pad_id)
+                  device: torch.device | str = "cpu", packed: bool = True, row_multiple: int = 8) -> torch.Tensor:
+    """The log-likelihood of every window (float64 [len(windows)]), the same on every rank. `packed`: rows of
+    exactly `seq_len` holding several windows (what pipeline stages and context-parallel shards need); else
+    one window per row, batches of at most batch_size x seq_len tokens (cheaper: plain causal attention), rows
+    padded to a multiple of `row_multiple`."""
+    if packed:
+        batches = pack(windows, seq_len, batch_size, pad_id)
+    else:
+        batches = group(windows, batch_size * seq_len)
     total = torch.zeros(len(windows), dtype=torch.float32, device=device)
     for rows in shard(batches, dp_rank, dp_degree):
-        inputs, labels, n = batch_tensors(rows, windows, seq_len, batch_size, pad_id)
+        if packed:
+            inputs, labels, n = batch_tensors(rows, windows, seq_len, batch_size, pad_id)
+        else:
+            inputs, labels, n = row_tensors(rows, windows, pad_id, row_multiple)
         inputs = {k: v.to(device) for k, v in inputs.items()}
         sums = forward_sums(inputs, labels.to(device), n)
         ids = [i for row in rows for i in row]
