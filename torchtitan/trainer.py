@@ -9,7 +9,6 @@ The entry point is `torchtitan/train.py` (`./run_train.sh` or `python -m torchti
 import contextlib
 import dataclasses
 import gc
-import math
 import os
 import time
 import warnings
@@ -385,7 +384,7 @@ class Trainer:
             pd = self.parallel_dims  # pipeline stages and cp shards need rows of exactly seq_len: packed
             metrics = self.evaluator.run(forward_sums, self.dp_rank, self.dp_degree,
                                          lambda x: self._reduce_over(x, "dp_cp"), self.device,
-                                         packed=pd.pp_enabled or pd.cp_enabled, row_multiple=math.lcm(8, pd.tp))
+                                         packed=pd.pp_enabled or pd.cp_enabled, row_multiple=pd.tp)
         finally:
             for m in self.model_parts:
                 m.train()

@@ -39,7 +39,7 @@ class Evaluator:
 
     def run(self, forward_sums: ForwardSums, dp_rank: int = 0, dp_degree: int = 1,
             reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
-            device: torch.device | str = "cpu", packed: bool = False, row_multiple: int = 8) -> dict[str, float]:
+            device: torch.device | str = "cpu", packed: bool = False, row_multiple: int = 1) -> dict[str, float]:
         """Every task scored; `packed` when the layout needs rows of exactly seq_len (pipeline, context
         parallel; see scoring.py); else rows are padded to a multiple of `row_multiple` (the tp degree's)."""
         metrics: dict[str, float] = {}

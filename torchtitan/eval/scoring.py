@@ -89,7 +89,7 @@ def group(windows: list[Window], token_budget: int) -> list[list[list[int]]]:
 
 
 def row_tensors(rows: list[list[int]], windows: list[Window], pad_id: int,
-                row_multiple: int = 8) -> tuple[dict, torch.Tensor, int]:
+                row_multiple: int = 1) -> tuple[dict, torch.Tensor, int]:
     """(inputs {tokens, source_ids}, labels, number of windows) of a batch of one window per row, right-padded
     to its longest row rounded up to `row_multiple` (tensor parallel's sequence parallel splits the sequence
     over the tp ranks); an empty batch is one padding row (labels all ignored)."""
@@ -117,7 +117,7 @@ def shard(batches: list, rank: int, degree: int) -> list:
 def score_windows(windows: list[Window], forward_sums: ForwardSums, *, seq_len: int, batch_size: int,
                   pad_id: int, dp_rank: int = 0, dp_degree: int = 1,
                   reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
-                  device: torch.device | str = "cpu", packed: bool = True, row_multiple: int = 8) -> torch.Tensor:
+                  device: torch.device | str = "cpu", packed: bool = True, row_multiple: int = 1) -> torch.Tensor:
     """The log-likelihood of every window (float64 [len(windows)]), the same on every rank. `packed`: rows of
     exactly `seq_len` holding several windows (what pipeline stages and context-parallel shards need); else
     one window per row, batches of at most batch_size x seq_len tokens (cheaper: plain causal attention), rows
