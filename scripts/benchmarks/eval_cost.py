@@ -80,8 +80,7 @@ def in_process(folder: str, task: str, batch: int, rounds: int) -> tuple[list[fl
     from lm_eval.models.huggingface import HFLM
 
     from torchtitan.components.checkpoint.offline_model import build_cpu_model, job_config_of, load_model_weights
-    from torchtitan.eval.__main__ import _forward_sums
-    from torchtitan.eval.runner import Evaluator
+    from torchtitan.eval.runner import Evaluator, plain_forward_sums
 
     cfg = job_config_of(folder, ["--training.seq_len", "256", "--eval.tasks", task,
                                  "--model.tokenizer_path", folder])
@@ -95,7 +94,7 @@ def in_process(folder: str, task: str, batch: int, rounds: int) -> tuple[list[fl
     with torch.no_grad():
         for _ in range(rounds):
             t0 = time.perf_counter()
-            evaluator.run(_forward_sums(model))
+            evaluator.run(plain_forward_sums(model))
             ours_s.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             lm.loglikelihood(instances, disable_tqdm=True)

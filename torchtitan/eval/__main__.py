@@ -19,20 +19,6 @@ import sys
 import torch
 
 
-def _forward_sums(model):
-    from torchtitan.components.loss import per_source_loss_sums, pop_source_ids
-    from torchtitan.protocols.model import as_model_output, split_inputs
-
-    @torch.no_grad()
-    def forward_sums(inputs, labels, num_sources):
-        inputs, source_ids = pop_source_ids(inputs)
-        tokens, extra = split_inputs(inputs)
-        logits = as_model_output(model(tokens, **extra)).logits
-        return per_source_loss_sums(logits, labels, source_ids, num_sources)
-
-    return forward_sums
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m torchtitan.eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -48,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         load_model_weights,
     )
     from torchtitan.config import ConfigError
-    from torchtitan.eval.runner import Evaluator
+    from torchtitan.eval.runner import Evaluator, plain_forward_sums
     from torchtitan.eval.tasks import TaskError
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -76,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             return x
 
     try:
-        metrics = evaluator.run(_forward_sums(model), rank, world, reduce_sum)
+        metrics = evaluator.run(plain_forward_sums(model), rank, world, reduce_sum)
     finally:
         if world > 1:
             import torch.distributed as dist

@@ -29,6 +29,22 @@ def build_task_requests(eval_cfg, tokenizer, max_length: int) -> list[TaskReques
     ]
 
 
+def plain_forward_sums(model) -> ForwardSums:
+    """The per-window sums of a whole model in one process (the entry point's forward; the trainer's is its
+    validation forward, whatever the layout)."""
+    from torchtitan.components.loss import per_source_loss_sums, pop_source_ids
+    from torchtitan.protocols.model import as_model_output, split_inputs
+
+    @torch.no_grad()
+    def forward_sums(inputs, labels, num_sources):
+        inputs, source_ids = pop_source_ids(inputs)
+        tokens, extra = split_inputs(inputs)
+        logits = as_model_output(model(tokens, **extra)).logits
+        return per_source_loss_sums(logits, labels, source_ids, num_sources)
+
+    return forward_sums
+
+
 class Evaluator:
     def __init__(self, eval_cfg, tokenizer, seq_len: int) -> None:
         self.cfg = eval_cfg
