@@ -33,13 +33,15 @@ extras=""
 if ! "$PYTHON" - "${1:-}" <<'PY' 2>/dev/null
 import importlib.metadata as md, importlib.util as u, sys
 md.version("torchtitan")  # installed (editable) in this environment
-mods = ["torchdata", "tiktoken", "sentencepiece", "datasets", "safetensors", "tensorboard", "wandb", "numpy", "tqdm"]
+mods = ["torchdata", "tiktoken", "sentencepiece", "datasets", "safetensors", "tensorboard", "wandb", "numpy", "tqdm",
+        "jinja2", "yaml"]
 mods += ["tomllib" if sys.version_info >= (3, 11) else "tomli"]
 if sys.argv[1] == "test":
     # float8 (torchao), fault-tolerant replicas (torchft), HF interop (transformers, peft), plot tests (matplotlib)
-    # the layer contract (import-linter) and the local S3 server of the object-storage tests (s3fs, moto, boto3)
+    # the layer contract (import-linter), the local S3 server of the object-storage tests (s3fs, moto, boto3)
+    # and the evaluation parity test (lm_eval)
     mods += ["pytest", "torchao", "torchft", "transformers", "peft", "matplotlib", "importlinter", "s3fs", "moto",
-             "boto3", "flask"]
+             "boto3", "flask", "lm_eval"]
 if sys.argv[1] == "test" and sys.platform.startswith("linux"):
     md.version("cmeel-mimalloc")  # --training.cpu_allocator mimalloc's test (no module to find: a library)
 sys.exit(0 if all(u.find_spec(m) for m in mods) else 1)

@@ -32,6 +32,7 @@ from torchtitan.distributed.context_parallel_a2a import check_cp_method
 from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims, parallel_dims_from_config
 from torchtitan.distributed.parallel_dims import device_type as parallel_dims_device_type
 from torchtitan.distributed.pipeline import PipelinePlan, plan_model_pipeline
+from torchtitan.eval.runner import build_task_requests
 from torchtitan.job_checks import check_job_values
 from torchtitan.models.common.attention import check_attention_kernels
 from torchtitan.protocols.model_shape import resolve_model
@@ -72,6 +73,8 @@ def plan_job(cfg: JobConfig, world_size: int, tokenizer: object | None = None) -
     spec, tokenizer, model_args = resolve_model(model_cfg, tokenizer)
     if getattr(model_args, "moe", None) is None:
         balancing = None  # e.g. a dense Qwen3.5
+    if cfg.eval.enable:  # task files read, documents turned into windows: bad input is one line here
+        build_task_requests(cfg.eval, tokenizer, cfg.training.seq_len)
     pd = parallel_dims_from_config(cfg.parallelism, world_size)
     pd.check_model(model_args.divisible_by())
     par = cfg.parallelism

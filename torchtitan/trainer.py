@@ -42,6 +42,7 @@ from torchtitan.distributed.compile import compiles
 from torchtitan.distributed.compile_auto import remember_compiled
 from torchtitan.distributed.context_parallel import shard_batch
 from torchtitan.errors import TrainingError
+from torchtitan.eval.runner import Evaluator
 from torchtitan.job_plan import plan_job
 from torchtitan.protocols.model_shape import model_summary, pin_model_shape
 from torchtitan.protocols.model import ModelOutput, as_model_output, mtp_settings, split_inputs
@@ -153,6 +154,8 @@ class Trainer:
         self.lr_schedulers = self.spec.build_lr_schedulers_fn(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
         self.post_optimizer_step_fns = (self.converters.post_optimizer_hook, *self.spec.post_optimizer_step_fns)
         self.validator = self.spec.build_validator_fn(cfg) if cfg.validation.enable else None
+        # Downstream tasks: read and turned into token windows once (pre-flight judged them already).
+        self.evaluator = Evaluator(cfg.eval, self.tokenizer, cfg.training.seq_len) if cfg.eval.enable else None
         self.train_state = TrainState()
         self.checkpointer = ckpt.CheckpointManager(
             cfg,
@@ -332,12 +335,14 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def _forward_loss_sums(self, inputs, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward_loss_sums(self, inputs, labels: torch.Tensor,
+                           num_sources: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Summed token loss of one validation batch, however the job is laid out, and for a mixture its
-        [2, sources] per-source token-loss sums and token counts (else None)."""
+        [2, sources] per-source token-loss sums and token counts (else None). The evaluation pass gives each
+        request its own source (`num_sources` of them) to get each request's summed loss."""
         inputs, labels = shard_batch(_to_device((inputs, labels), self.device), *self.parallel_dims.coordinate("cp"))
         inputs, source_ids = pop_source_ids(inputs)
-        n = len(self.source_names)
+        n = len(self.source_names) if num_sources is None else num_sources
         with self.autocast, self._loss_context():
             if self.pipeline is not None:
                 return self.pipeline.eval(inputs, labels, source_ids, n)
@@ -368,6 +373,29 @@ class Trainer:
         if source_sums:  # every rank saw batches of the mixture, so every rank reduces
             sums = self._reduce_over(torch.stack(source_sums).sum(0), "dp_cp")
             metrics.update({f"validation/{k}": v for k, v in per_source_metrics(sums, self.source_names).items()})
+        self.metrics.log(step, metrics)
+        return metrics
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The [eval] tasks scored by every rank in the training layout: each data-parallel rank a share of
+        the batches, through the validation forward (pipeline schedule, context-parallel shards, loss
+        parallel), the per-request sums completed over the dp and cp ranks (torchtitan/eval/scoring.py)."""
+        if self.kept_heap is not None:
+            self.kept_heap.before(("eval",))
+
+        def forward_sums(inputs, labels, num_sources):
+            return self._forward_loss_sums(inputs, labels, num_sources)[1]
+
+        for m in self.model_parts:
+            m.eval()
+        try:
+            pd = self.parallel_dims  # pipeline stages and cp shards need rows of exactly seq_len: packed
+            metrics = self.evaluator.run(forward_sums, self.dp_rank, self.dp_degree,
+                                         lambda x: self._reduce_over(x, "dp_cp"), self.device,
+                                         packed=pd.pp_enabled or pd.cp_enabled, row_multiple=pd.tp)
+        finally:
+            for m in self.model_parts:
+                m.train()
         self.metrics.log(step, metrics)
         return metrics
 
@@ -480,6 +508,8 @@ class Trainer:
                     self.replica_check.check(step, self.model_parts, self.optimizers)
                 if cfg.validation.enable and (step % cfg.validation.freq == 0 or last):
                     self.validate(step)
+                if self.evaluator is not None and (step % cfg.eval.freq == 0 or last):
+                    self.evaluate(step)
                 self.checkpointer.save(step, last=last)
                 if self.kept_heap is not None and self.kept_heap.after_step():
                     logger.debug(f"CPU allocator: step {step} left the kept heap above its bound; returned "

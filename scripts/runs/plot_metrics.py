@@ -3,8 +3,9 @@
     python scripts/runs/plot_metrics.py RUN [RUN ...] [-o metrics.png] [--label NAME ...]
 
 RUN is a run folder (`job.dump_folder`, holding metrics.jsonl) or a metrics.jsonl file. Panels: loss (with the
-validation loss dashed where logged), grad norm, learning rate, tokens/s per device and MFU; runs share colours
-across panels. Needs matplotlib (`pip install -e ".[plot]"`).
+validation loss dashed where logged), grad norm, learning rate, tokens/s per device and MFU, and, when a run
+logged evaluations ([eval]), one more panel with every eval/<task>/<metric> score (error bars: its _stderr);
+runs share colours across panels. Needs matplotlib (`pip install -e ".[plot]"`).
 """
 
 import argparse
@@ -33,8 +34,13 @@ def plot(runs: list[str], labels: list[str], output: str) -> None:
     import matplotlib.pyplot as plt
 
     data = [read_metrics(run) for run in runs]
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.2), constrained_layout=True)
-    for (key, title, log), ax in zip(PANELS, axes):
+    scores = eval_scores(data)
+    panels = PANELS + ([("eval", "evaluation", False)] if scores else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2), constrained_layout=True)
+    for (key, title, log), ax in zip(panels, axes):
+        if key == "eval":
+            _plot_scores(ax, data, labels, scores)
+            continue
         for i, (metrics, label) in enumerate(zip(data, labels)):
             color = f"C{i}"
             steps, values = series(metrics, key)
@@ -51,6 +57,26 @@ def plot(runs: list[str], labels: list[str], output: str) -> None:
     axes[0].legend(fontsize="small", loc="best")
     fig.savefig(output, dpi=80)
     plt.close(fig)
+
+
+def eval_scores(data: list[dict[int, dict[str, float]]]) -> list[str]:
+    """The eval/<task>/<metric> keys any run logged (not their _stderr, request counts or timings)."""
+    keys = {k for metrics in data for m in metrics.values() for k in m if k.startswith("eval/")}
+    return sorted(k for k in keys if not k.endswith(("_stderr", "/requests", "/seconds")))
+
+
+def _plot_scores(ax, data, labels, scores: list[str]) -> None:
+    styles = ["-", "--", ":", "-."]
+    for i, (metrics, label) in enumerate(zip(data, labels)):
+        for j, key in enumerate(scores):
+            steps, values = series(metrics, key)
+            if not steps:
+                continue
+            _, errors = series(metrics, f"{key}_stderr")
+            ax.errorbar(steps, values, yerr=errors if len(errors) == len(steps) else None, color=f"C{i}",
+                        linestyle=styles[j % len(styles)], marker="o", capsize=2,
+                        label=f"{label}: {key[len('eval/'):]}")
+    ax.legend(fontsize="x-small", loc="best")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ def run(args, *, ngpu=1, env_extra=None, timeout=600):
 
 
 def test_two_process_cpu_run_trains_and_writes_its_run_folder(tmp_path):
-    """The default recipe's path (auto precision, validation, TensorBoard) on the tiny flavor: seconds of
+    """The default recipe's path (auto precision, validation, evaluation, TensorBoard) on the tiny flavor: seconds of
     training on any CPU, whatever dtype auto picks there."""
     dump = tmp_path / "run"
     p = run(
@@ -39,6 +39,10 @@ def test_two_process_cpu_run_trains_and_writes_its_run_folder(tmp_path):
     assert all(0 < m["mfu"] <= 100 and "mfu_above_100" not in m for m in train[1:])
     val = [m for m in lines if "validation/loss" in m]
     assert len(val) == 1 and val[0]["step"] == 20
+    # The recipe's [eval]: the shipped task scored at the last step, over both ranks (25 documents, 100 requests).
+    ev = [m for m in lines if "eval/stdlib_next_line/acc" in m]
+    assert len(ev) == 1 and ev[0]["step"] == 20 and ev[0]["eval/stdlib_next_line/requests"] == 100, ev
+    assert 0.0 <= ev[0]["eval/stdlib_next_line/acc"] <= 1.0 and ev[0]["eval/stdlib_next_line/acc_stderr"] > 0
     assert (dump / "config.toml").read_text().count("steps = 20") == 1
     assert any((dump / "tb").rglob("events.out.tfevents.*"))
 

@@ -1,6 +1,7 @@
 """scripts/runs/plot_metrics.py and scripts/runs/loss_compare.py on metrics.jsonl files written by the trainer's own
 MetricsLogger."""
 
+import json
 import os
 import struct
 import sys
@@ -89,5 +90,12 @@ def test_plot_writes_one_png_for_several_runs(tmp_path, capsys):
                               "--label", "tp"]) == 0
     width, height = _png_size(out)
     assert width > 4 * height  # five panels side by side
+    # A run that logged evaluations gets a sixth panel with its scores.
+    with open(os.path.join(a, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": 20, "eval/t/acc": 0.5, "eval/t/acc_stderr": 0.1, "eval/t/requests": 8}) + "\n")
+    assert plot_metrics.eval_scores([plot_metrics.read_metrics(a)]) == ["eval/t/acc"]
+    assert plot_metrics.main([a, "-o", str(out)]) == 0
+    width6, height6 = _png_size(out)
+    assert width6 > width * 1.1
     assert plot_metrics.main([str(tmp_path / "nothing"), "-o", str(tmp_path / "x.png")]) == 1
     assert "no metrics.jsonl" in capsys.readouterr().err and not (tmp_path / "x.png").exists()

@@ -195,6 +195,34 @@ class Validation:
 
 
 @dataclass
+class Eval:
+    """Downstream tasks scored during training (see docs/evaluation.md), by the training ranks in their layout."""
+
+    enable: bool = False
+    """Score `tasks` every `freq` steps and at the last step; metrics eval/<task>/<metric> (and _stderr)."""
+
+    freq: int = 500
+    """Steps between evaluations (the last step is always evaluated)."""
+
+    tasks: list[str] = field(default_factory=lambda: ["stdlib_next_line"])
+    """Tasks to score: lm-evaluation-harness YAML task files with local data (`dataset_path: json`), or the
+    names of tasks shipped in torchtitan/assets/eval_tasks (stdlib_next_line)."""
+
+    local_batch_size: int = 8
+    """Rows of --training.seq_len tokens per evaluation batch on each data-parallel rank (requests are packed
+    several to a row)."""
+
+    limit: int = -1
+    """Documents of each task to score (the first ones); -1 = all."""
+
+    num_fewshot: int = -1
+    """Few-shot examples in each context; -1 = each task file's own num_fewshot."""
+
+    fewshot_seed: int = 1234
+    """Seed of the few-shot sampler (lm-evaluation-harness's default, so contexts are the same)."""
+
+
+@dataclass
 class Optimizer:
     name: Literal["AdamW", "Adam", "Muon"] = "AdamW"
     """Optimizer class. Muon: Muon for the 2-D weight matrices of the transformer blocks, AdamW (with the
@@ -662,6 +690,7 @@ class JobConfig:
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
     validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)

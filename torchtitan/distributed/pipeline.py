@@ -400,6 +400,12 @@ class Pipeline:
 
 def check_pipeline(plan: PipelinePlan, parallel_dims, job_config) -> None:
     """What a pipeline plan must satisfy beyond its own shape (called by the job planner)."""
+    e = job_config.eval
+    if e.enable and e.local_batch_size % plan.n_microbatches:
+        raise LayoutError(
+            f"--eval.local_batch_size {e.local_batch_size} must be a multiple of the {plan.n_microbatches} "
+            f"pipeline microbatches (evaluation runs through the same schedule)"
+        )
     v = job_config.validation
     if v.enable and v.local_batch_size % plan.n_microbatches:
         raise LayoutError(

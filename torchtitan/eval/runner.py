@@ -1,0 +1,79 @@
+"""The evaluation pass: the configured tasks' requests built once, scored on demand by whatever forward the
+caller has (the trainer's ranks in their layout, or `python -m torchtitan.eval` on a checkpoint).
+
+    evaluator = Evaluator(cfg.eval, tokenizer, seq_len)           # tasks read, requests built, checked
+    metrics = evaluator.run(forward_sums, dp_rank, dp_degree, reduce_sum, device)
+    # {"eval/<task>/<metric>": value, "eval/<task>/<metric>_stderr": value, "eval/<task>/requests": n}
+
+A task that fails while scoring is reported (logged, its metrics absent) and the others, and the training,
+go on.
+"""
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from torchtitan.eval.requests import TaskRequests, build_requests
+from torchtitan.eval.scoring import ForwardSums, request_loglikelihoods, score_windows, task_metrics
+from torchtitan.eval.tasks import load_task
+from torchtitan.tools.logging import logger
+
+
+def build_task_requests(eval_cfg, tokenizer, max_length: int) -> list[TaskRequests]:
+    """Every configured task read and turned into windows; raises TaskError with one line on bad input."""
+    return [
+        build_requests(load_task(name, eval_cfg.limit, eval_cfg.num_fewshot), tokenizer, max_length,
+                       eval_cfg.fewshot_seed)
+        for name in eval_cfg.tasks
+    ]
+
+
+def plain_forward_sums(model) -> ForwardSums:
+    """The per-window sums of a whole model in one process (the entry point's forward; the trainer's is its
+    validation forward, whatever the layout)."""
+    from torchtitan.components.loss import per_source_loss_sums, pop_source_ids
+    from torchtitan.protocols.model import as_model_output, split_inputs
+
+    @torch.no_grad()
+    def forward_sums(inputs, labels, num_sources):
+        inputs, source_ids = pop_source_ids(inputs)
+        tokens, extra = split_inputs(inputs)
+        logits = as_model_output(model(tokens, **extra)).logits
+        return per_source_loss_sums(logits, labels, source_ids, num_sources)
+
+    return forward_sums
+
+
+class Evaluator:
+    def __init__(self, eval_cfg, tokenizer, seq_len: int) -> None:
+        self.cfg = eval_cfg
+        self.seq_len = seq_len
+        self.pad_id = tokenizer.eos_id
+        self.tasks = build_task_requests(eval_cfg, tokenizer, seq_len)
+        self.last_loglikelihoods: dict[str, list[float]] = {}  # per task, of the last run (tests, the CLI)
+
+    def run(self, forward_sums: ForwardSums, dp_rank: int = 0, dp_degree: int = 1,
+            reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
+            device: torch.device | str = "cpu", packed: bool = False, row_multiple: int = 1) -> dict[str, float]:
+        """Every task scored; `packed` when the layout needs rows of exactly seq_len (pipeline, context
+        parallel; see scoring.py); else rows are padded to a multiple of `row_multiple` (the tp degree's)."""
+        metrics: dict[str, float] = {}
+        for reqs in self.tasks:
+            name = reqs.task.name
+            t0 = time.perf_counter()
+            try:
+                window_ll = score_windows(reqs.windows, forward_sums, seq_len=self.seq_len,
+                                          batch_size=self.cfg.local_batch_size, pad_id=self.pad_id,
+                                          dp_rank=dp_rank, dp_degree=dp_degree, reduce_sum=reduce_sum,
+                                          device=device, packed=packed, row_multiple=row_multiple)
+                lls = request_loglikelihoods(reqs, window_ll)
+                values = task_metrics(reqs, lls)
+            except Exception as e:  # noqa: BLE001 - reported; the training goes on
+                logger.error(f"Evaluation of task {name} failed and is skipped: {type(e).__name__}: {e}")
+                continue
+            self.last_loglikelihoods[name] = lls
+            metrics.update({f"eval/{name}/{k}": v for k, v in values.items()})
+            metrics[f"eval/{name}/requests"] = len(lls)
+            metrics[f"eval/{name}/seconds"] = time.perf_counter() - t0
+        return metrics
