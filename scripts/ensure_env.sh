@@ -34,7 +34,7 @@ if ! "$PYTHON" - "${1:-}" <<'PY' 2>/dev/null
 import importlib.metadata as md, importlib.util as u, sys
 md.version("torchtitan")  # installed (editable) in this environment
 mods = ["torchdata", "tiktoken", "sentencepiece", "datasets", "safetensors", "tensorboard", "wandb", "numpy", "tqdm",
-        "jinja2", "yaml"]
+        "jinja2", "yaml", "fsspec"]
 mods += ["tomllib" if sys.version_info >= (3, 11) else "tomli"]
 if sys.argv[1] == "test":
     # float8 (torchao), fault-tolerant replicas (torchft), HF interop (transformers, peft), plot tests (matplotlib)
