@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Everything that needs a CUDA GPU, in one call on a lent single-GPU machine (results under $OUT):
 #   1. the test suite's quick layer on CUDA (unit tests; CUDA-only ones run instead of skipping)
-#   2. a short debug-model run on cuda+nccl with bf16, compile and an async pinned-memory checkpoint, and one
-#      with document masking (FlexAttention) under compile
+#   2. a short debug-model run on cuda+nccl with bf16, compile and an async pinned-memory checkpoint (and the
+#      recipe's in-loop evaluation of the shipped task at its last step), and one with document masking
+#      (FlexAttention) under compile
 #   3. bf16 vs Float8 throughput and MFU on an 8B-shaped model cut to fit (scripts/gpu/bench_float8.py)
 #   4. the memory estimator against CUDA's peak, eager, compiled, and compiled with Float8
-#   5. MoE: grouped GEMM vs the per-expert loop (scripts/gpu/bench_moe.py); EP over NCCL with >= 2 GPUs
+#   5. MoE: grouped GEMM vs the per-expert loop (scripts/gpu/bench_moe.py); EP and expert tensor parallel
+#      over NCCL with >= 2 GPUs
 # Usage (repo root):  OUT=/tmp/out bash scripts/gpu/run_checks.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -41,4 +43,6 @@ NGPUS=$(nvidia-smi -L | wc -l)
 if [ "$NGPUS" -ge 2 ]; then
     "$PYTHON" scripts/benchmarks/bench_moe.py --ngpu "$NGPUS" --ep "$NGPUS" --extra --training.mixed_precision_param=bfloat16 \
         2>&1 | tail -6 | tee "$OUT/moe_ep_nccl.txt"
+    "$PYTHON" scripts/benchmarks/bench_moe.py --ngpu "$NGPUS" --tp "$NGPUS" --extra --training.mixed_precision_param=bfloat16 \
+        2>&1 | tail -6 | tee "$OUT/moe_etp_nccl.txt"
 fi
