@@ -39,12 +39,13 @@ from torchtitan.components.checkpoint.offline_model import job_config_of  # noqa
 from torchtitan.components.lora.export import load_lora_model, save_merged, save_peft  # noqa: E402
 from torchtitan.config import ConfigError  # noqa: E402
 from torchtitan.protocols.model_shape import resolve_model  # noqa: E402
+from torchtitan.tools import storage  # noqa: E402
 from torchtitan.tools.precision import DTYPES  # noqa: E402
 
 
 def convert(checkpoint: str, output: str, dtype: torch.dtype, max_shard_bytes: int, overrides: list[str]) -> None:
     check_output_folder(output)
-    if not os.path.isdir(checkpoint):
+    if not storage.isdir(checkpoint):
         raise CheckpointError(f"checkpoint {checkpoint}: no such folder")
     why = folders.problem(checkpoint, require_manifest=False)
     if why is not None:
@@ -67,12 +68,13 @@ def convert(checkpoint: str, output: str, dtype: torch.dtype, max_shard_bytes: i
             meta = saved_model[key]
             t = torch.empty(meta.size, dtype=meta.properties.dtype)
             try:
-                dcp.load({"model": {key: t}}, checkpoint_id=checkpoint, no_dist=True)
+                dcp.load({"model": {key: t}}, checkpoint_id=checkpoint,
+                         storage_reader=storage.dcp_reader(checkpoint), no_dist=True)
             except DCP_ERRORS as e:
                 raise CheckpointError(f"cannot read {key} from {checkpoint}: {type(e).__name__}: {e}") from e
             yield from hf_chunks(adapter, key, t)
 
-    os.makedirs(output, exist_ok=True)
+    storage.makedirs(output)
     write_hf_weights(chunks(), model_hf_shapes(adapter, expected), output, dtype, max_shard_bytes)
     write_hf_metadata(output, config, tokenizer)
 
