@@ -15,6 +15,10 @@ A step checkpoint of a LoRA run (--model.converters lora) holds only the adapter
 the run's --checkpoint.initial_load_path (checked against the fingerprint the checkpoint names), and the
 output is the merged model, or with --peft BASE the adapters alone in peft's format (adapter_config.json +
 adapter_model.safetensors; BASE is written as base_model_name_or_path, e.g. the Hub id or the HF folder).
+
+The checkpoint and the output may be object store URLs (s3://bucket/run/checkpoint/step-100,
+s3://bucket/exports/hf; docs/object_storage.md): the output is written locally and uploaded, config.json
+(adapter_config.json for peft) last.
 """
 
 import argparse
