@@ -6,8 +6,8 @@ writes `{job.dump_folder}/seed_checkpoint` (model only, in training.dtype, with 
 manifest), or the folder `--output PATH` names: a local path or an object store URL (`s3://bucket/seed`, written
 with the store's commit protocol, docs/object_storage.md). Start every run, whatever its layout, from it with
 `--checkpoint.initial_load_path {job.dump_folder}/seed_checkpoint` (or the URL), so all layouts start from
-bit-identical weights. On GPUs a sharded run initialises each shard in place with a different random stream than one process
-would, so without a seed checkpoint two layouts start from different (equally valid) weights.
+bit-identical weights. On GPUs a sharded run initialises each shard in place with a different random stream
+than one process would, so without a seed checkpoint two layouts start from different (equally valid) weights.
 """
 
 import argparse
