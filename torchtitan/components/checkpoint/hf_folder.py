@@ -3,7 +3,8 @@
 Reading: each rank reads, with safetensors' slicing (`safe_open(...).get_slice`), only the part of each HF
 tensor that its own shards of the model hold (the box DTensor reports for it), through the adapter's
 `hf_layout` (a rename, experts split along dim 0, or rows permuted within heads, for which the whole heads
-covering the box are read). Single files and index-sharded folders alike.
+covering the box are read). Single files and index-sharded folders alike. On an object store (`folder` a URL)
+the box's bytes are fetched with ranged GETs from the offsets in the file's header (SliceReader).
 
 Writing (`save_hf_folder`): every rank casts its own slices to the export dtype and writes them, in parts of
 at most PART_BYTES, under `<folder>/sharded/<file>/`; then torch's DCP consolidation
