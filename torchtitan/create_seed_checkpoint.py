@@ -3,12 +3,14 @@
     python -m torchtitan.create_seed_checkpoint --job.config_file train_configs/debug_model.toml
 
 writes `{job.dump_folder}/seed_checkpoint` (model only, in training.dtype, with the resolved config and a
-manifest). Start every run, whatever its layout, from it with
-`--checkpoint.initial_load_path {job.dump_folder}/seed_checkpoint`, so all layouts start from bit-identical
-weights. On GPUs a sharded run initialises each shard in place with a different random stream than one process
-would, so without a seed checkpoint two layouts start from different (equally valid) weights.
+manifest), or the folder `--output PATH` names: a local path or an object store URL (`s3://bucket/seed`, written
+with the store's commit protocol, docs/object_storage.md). Start every run, whatever its layout, from it with
+`--checkpoint.initial_load_path {job.dump_folder}/seed_checkpoint` (or the URL), so all layouts start from
+bit-identical weights. On GPUs a sharded run initialises each shard in place with a different random stream
+than one process would, so without a seed checkpoint two layouts start from different (equally valid) weights.
 """
 
+import argparse
 import os
 import sys
 
@@ -17,6 +19,7 @@ from torchtitan.components.checkpoint.offline_model import build_cpu_model
 from torchtitan.config import ConfigError
 from torchtitan.protocols.train_spec import config_manager
 from torchtitan.tools.precision import DTYPES
+from torchtitan.tools.storage import StorageError
 from torchtitan.tools.logging import init_logger, logger
 
 FOLDER = "seed_checkpoint"
@@ -25,12 +28,15 @@ FOLDER = "seed_checkpoint"
 def main(argv: list[str] | None = None) -> int:
     init_logger()
     try:
-        cfg = config_manager().parse_args(sys.argv[1:] if argv is None else argv)
-        out = os.path.join(cfg.job.dump_folder, FOLDER)
+        p = argparse.ArgumentParser(add_help=False)  # --help is the job config's
+        p.add_argument("--output", default=None)
+        args, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+        cfg = config_manager().parse_args(rest)
+        out = args.output or os.path.join(cfg.job.dump_folder, FOLDER)
         model, _, _, _ = build_cpu_model(cfg)
         model.to(DTYPES[cfg.training.dtype])
         write_model_checkpoint(out, model.state_dict(), cfg, {"step": 0})
-    except (ConfigError, ValueError, FileNotFoundError, CheckpointError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, CheckpointError, StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
     n = sum(t.numel() for t in model.state_dict().values())

@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from torchtitan.components import storage
+from torchtitan.tools import storage
 from torchtitan.components.optim.lr_scheduler import check_schedule
 from torchtitan.components.faults.step_guard import check_guard_config
 from torchtitan.config import JobConfig
@@ -154,13 +154,7 @@ def _check_hf_saves_of_adapters(cfg: JobConfig) -> None:
 
 def _check_store(cfg: JobConfig) -> None:
     """A checkpoint folder on an object store: a small test object is written, read back and removed, so an
-    unreachable store, a missing bucket or denied writes are one line before any rank starts. A Hugging Face
-    folder to start from must be local (its reader maps files)."""
-    path = cfg.checkpoint.initial_load_path
-    if path and storage.is_url(path) and cfg.checkpoint.initial_load_in_hf:
-        raise ValueError(f"--checkpoint.initial_load_path {path}: a Hugging Face folder is read from local disk only "
-                         f"(a DCP checkpoint may be on a store); copy it there first, e.g. aws s3 cp --recursive "
-                         f"{path} /local/path, and pass that path")
+    unreachable store, a missing bucket or denied writes are one line before any rank starts."""
     folder = cfg.checkpoint.folder
     if cfg.checkpoint.enable and storage.is_url(folder):
         why = storage.probe(folder)

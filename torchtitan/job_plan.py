@@ -13,7 +13,6 @@ It also resolves how an MoE model balances its routers (components/moe/args.py r
 
 import dataclasses
 import inspect
-import os
 
 import torch
 import torch.nn as nn
@@ -37,6 +36,7 @@ from torchtitan.job_checks import check_job_values
 from torchtitan.models.common.attention import check_attention_kernels
 from torchtitan.protocols.model_shape import resolve_model
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
+from torchtitan.tools import storage
 from torchtitan.tools.precision import Precision, resolve_precision
 
 
@@ -180,11 +180,11 @@ def _check_hf_initial_load(cfg: JobConfig, spec: TrainSpec, model_args: object, 
     its safetensors headers, before any rank reads a byte of it: complete files, a config describing the model
     the job trains, and weights of the shapes that config implies."""
     path = cfg.checkpoint.initial_load_path
-    if not (cfg.checkpoint.initial_load_in_hf and path and os.path.isdir(path)):
+    if not (cfg.checkpoint.initial_load_in_hf and path and storage.isdir(path)):
         return
     have = weight_shapes(path)  # a truncated file or an index naming a missing one: one line, now
     adapter = spec.state_dict_adapter
-    if adapter is None or not os.path.isfile(os.path.join(path, "config.json")):
+    if adapter is None or not storage.isfile(storage.join(path, "config.json")):
         return  # the checkpoint manager refuses these in one line
     adapter.check_hf_config(path, adapter.args_from_hf(path), model_args)
     check_weight_shapes(path, adapter(model_args), {k: v.shape for k, v in model.state_dict().items()}, have)

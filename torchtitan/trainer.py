@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torchtitan.components import storage
+from torchtitan.tools import storage
 from torchtitan.components.checkpoint import manager as ckpt
 from torchtitan.components.loss import (
     IGNORE_INDEX,
@@ -70,7 +70,7 @@ class Trainer:
                 self.kept_heap = cpu_malloc.keep_freed_memory_bounded(cfg.training.cpu_kept_heap_growth)
             logger.info(f"CPU allocator: {cpu_malloc.describe()}")
         fault_injection.install(self.rank)  # no-op unless TORCHTITAN_FAULTS is set (fault-tolerance tests)
-        storage.set_retry_seconds(cfg.job.storage_retry_seconds)  # object-store paths (components/storage.py)
+        storage.set_retry_seconds(cfg.job.storage_retry_seconds)  # object-store paths (tools/storage.py)
         self.preempted = False
         self.step_clock = stragglers.StepClock()  # this rank's data and time-to-ready per step
         logger.info(f"Starting job: {cfg.job.description}")

@@ -34,7 +34,7 @@ TENSOR = 1 << 20  # elements per tensor
 def _rank_main(rank, world, port, target, params, out_queue):
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    from torchtitan.components import storage
+    from torchtitan.tools import storage
     from torchtitan.components.checkpoint import checksums
 
     n = int(params) // TENSOR

@@ -15,6 +15,10 @@ A step checkpoint of a LoRA run (--model.converters lora) holds only the adapter
 the run's --checkpoint.initial_load_path (checked against the fingerprint the checkpoint names), and the
 output is the merged model, or with --peft BASE the adapters alone in peft's format (adapter_config.json +
 adapter_model.safetensors; BASE is written as base_model_name_or_path, e.g. the Hub id or the HF folder).
+
+The checkpoint and the output may be object store URLs (s3://bucket/run/checkpoint/step-100,
+s3://bucket/exports/hf; docs/object_storage.md): the output is written locally and uploaded, config.json
+(adapter_config.json for peft) last.
 """
 
 import argparse
@@ -39,12 +43,13 @@ from torchtitan.components.checkpoint.offline_model import job_config_of  # noqa
 from torchtitan.components.lora.export import load_lora_model, save_merged, save_peft  # noqa: E402
 from torchtitan.config import ConfigError  # noqa: E402
 from torchtitan.protocols.model_shape import resolve_model  # noqa: E402
+from torchtitan.tools import storage  # noqa: E402
 from torchtitan.tools.precision import DTYPES  # noqa: E402
 
 
 def convert(checkpoint: str, output: str, dtype: torch.dtype, max_shard_bytes: int, overrides: list[str]) -> None:
     check_output_folder(output)
-    if not os.path.isdir(checkpoint):
+    if not storage.isdir(checkpoint):
         raise CheckpointError(f"checkpoint {checkpoint}: no such folder")
     why = folders.problem(checkpoint, require_manifest=False)
     if why is not None:
@@ -67,12 +72,13 @@ def convert(checkpoint: str, output: str, dtype: torch.dtype, max_shard_bytes: i
             meta = saved_model[key]
             t = torch.empty(meta.size, dtype=meta.properties.dtype)
             try:
-                dcp.load({"model": {key: t}}, checkpoint_id=checkpoint, no_dist=True)
+                dcp.load({"model": {key: t}}, checkpoint_id=checkpoint,
+                         storage_reader=storage.dcp_reader(checkpoint), no_dist=True)
             except DCP_ERRORS as e:
                 raise CheckpointError(f"cannot read {key} from {checkpoint}: {type(e).__name__}: {e}") from e
             yield from hf_chunks(adapter, key, t)
 
-    os.makedirs(output, exist_ok=True)
+    storage.makedirs(output)
     write_hf_weights(chunks(), model_hf_shapes(adapter, expected), output, dtype, max_shard_bytes)
     write_hf_metadata(output, config, tokenizer)
 

@@ -24,7 +24,7 @@ import torch
 
 from tests.distributed.test_parity_2d import assert_parity
 from tests.distributed.trainer_runs import PARITY_ARGS, curves, read_metrics, train
-from torchtitan.components import storage
+from torchtitan.tools import storage
 from torchtitan.components.checkpoint import folders
 
 pytestmark = pytest.mark.distributed

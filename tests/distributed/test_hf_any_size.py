@@ -14,10 +14,17 @@ size limit: 3+ safetensors files named and indexed as save_pretrained does.
 All cases run in one spawned 4-rank group, one after the other, to keep the suite short. The Qwen3-MoE and
 GPT-OSS runs use the default balancing of a model from such a folder (no bias updates, transformers'
 load-balancing loss with the folder's coefficient: docs/moe.md), so that default is exported under TP x EP too.
+
+With s3fs and moto installed, the Llama folder is also uploaded to a bucket of the S3 server
+(tests/conftest.py `s3_server`) and a run loads it from there (--model.hf_config and initial_load_path the URL;
+each rank fetching its own boxes with ranged GETs, TP's row-wise weights split along dim 1): its logits after
+loading and after training equal, bit for bit, the run from disk (same layout, same bytes: nothing may differ).
 """
 
+import importlib.util
 import json
 import os
+import uuid
 
 import pytest
 import torch
@@ -152,7 +159,23 @@ def _check_index_layout(folder: str) -> None:
     assert not os.path.exists(os.path.join(folder, "sharded"))
 
 
-def test_every_family_in_and_out_under_fsdp_tp(tmp_path):
+def _in_a_bucket(request, folder: str) -> str | None:
+    """`folder` uploaded to a fresh bucket of the session's S3 server; None without s3fs and moto."""
+    if not all(importlib.util.find_spec(m) for m in ("s3fs", "moto")):
+        return None
+    from tests.s3_server import make_bucket
+    from torchtitan.components.checkpoint.hf_folder import upload_files
+    from torchtitan.tools import storage
+
+    server = request.getfixturevalue("s3_server")
+    bucket = f"hf-{uuid.uuid4().hex[:12]}"
+    make_bucket(server.endpoint, bucket)
+    storage.reset_clients()
+    upload_files(folder, f"s3://{bucket}/hf_in")
+    return f"s3://{bucket}/hf_in"
+
+
+def test_every_family_in_and_out_under_fsdp_tp(tmp_path, request):
     from torchtitan.components.tokenizer.backends import build_tokenizer
 
     cases, expected_in = [], {}
@@ -161,7 +184,15 @@ def test_every_family_in_and_out_under_fsdp_tp(tmp_path):
         _make_hf_folder(name, folder)
         expected_in[name] = _hf_logits(folder)
         cases.append((name, model_name, folder, str(tmp_path / name / "run"), extra))
+    llama = cases[0]
+    transformers.AutoModelForCausalLM.from_pretrained(llama[2]).save_pretrained(llama[2], max_shard_size="100KB")
+    url = _in_a_bucket(request, llama[2])
+    if url is not None:
+        cases.append(("llama_in_a_bucket", llama[1], url, str(tmp_path / "llama_in_a_bucket" / "run"), llama[4]))
     results = run_ranks(_run_cases, 4, cases)[0]
+    if url is not None:
+        store, disk = results.pop("llama_in_a_bucket"), results[llama[0]]
+        assert torch.equal(store[0], disk[0]) and torch.equal(store[1], disk[1]), "HF folder in a bucket vs on disk"
     tokenizer = build_tokenizer(None)
     sample = "def walk(top):\n    \"\"\"Directory tree generator.\"\"\"  12 été"
     for name, (before, after) in results.items():

@@ -9,7 +9,7 @@ import os
 import shutil
 
 from tests.unit.checkpoint_helpers import losses, run
-from torchtitan.components import storage
+from torchtitan.tools import storage
 from torchtitan.components.checkpoint import folders
 from torchtitan.components.checkpoint.checksums import file_checksum
 

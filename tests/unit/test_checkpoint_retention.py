@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 from tests.unit.checkpoint_helpers import TINY, run
-from torchtitan.components import storage
+from torchtitan.tools import storage
 from torchtitan.components.checkpoint import folders
 from torchtitan.components.checkpoint.manager import RUN_RECORD
 

@@ -14,7 +14,7 @@ import torch
 from tests.unit.checkpoint_helpers import run
 from tests.tolerances import contraction_width, logits_tol
 from torchtitan import preflight
-from torchtitan.components import storage
+from torchtitan.tools import storage
 from torchtitan.components.checkpoint import folders
 from torchtitan.components.checkpoint.manager import RUN_RECORD
 from torchtitan.components.checkpoint.offline_model import build_cpu_model, job_config_of, load_model_weights

@@ -9,7 +9,8 @@ stopped and started again with its objects kept), with one-process runs of the t
   and the run resumes from it; without the pointer it would have resumed from the older one (the control); a
   folder listing that lacks a data file: the manifest still lists it (from the writers' records);
 * pre-flight: a missing bucket, an unreachable store and denied writes are one line each before any rank starts;
-* initial weights from a checkpoint on the store.
+* initial weights from a checkpoint on the store (Hugging Face folders, seeds and exports on a store:
+  test_object_storage_state.py).
 (The resume, retention and checksum tests run on both a local folder and the S3 server: test_checkpoint_*.py.)
 """
 
@@ -21,7 +22,7 @@ import time
 import pytest
 
 from tests.unit.checkpoint_helpers import losses, run
-from torchtitan.components import storage
+from torchtitan.tools import storage
 from torchtitan.components.checkpoint import folders
 
 pytest.importorskip("s3fs", reason="needs s3fs (pip install 'torchtitan[test]')")
@@ -189,13 +190,3 @@ def test_initial_weights_from_a_checkpoint_on_the_store(s3, tmp_path, caplog):
     assert folders.problem(export) is None
     assert run(tmp_path / "b", "--training.steps", "1", "--checkpoint.initial_load_path", export) == 0
     assert f"Loaded initial weights from {export}" in caplog.text
-
-
-def test_a_hugging_face_folder_on_the_store_is_refused_in_one_line(tmp_path, capsys):
-    """Not read from a store yet (its reader maps local files): pre-flight says so and how to copy it."""
-    from torchtitan.preflight import main as preflight
-
-    assert preflight(["--model.flavor", "debugmodel_tiny", "--job.dump_folder", str(tmp_path),
-                      "--checkpoint.initial_load_path", "s3://models/llama", "--checkpoint.initial_load_in_hf"]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "a Hugging Face folder is read from local disk only" in err[0], err

@@ -191,7 +191,7 @@ def test_training_from_shards_in_a_bucket_equals_disk_across_a_resume(shard_root
     shutil.copytree(shard_root / "validation", disk / "train")  # the split the trainer reads
     source = str(disk)
     if store.kind == "s3":
-        from torchtitan.components import storage
+        from torchtitan.tools import storage
 
         source = f"s3://{store.bucket}/shards/stdlib"
         fs, path = storage.filesystem(source)

@@ -38,9 +38,10 @@ class Model:
 
     tokenizer_path: str | None = None
     """Tokenizer file or folder: a tiktoken BPE file (Llama 3 format), a sentencepiece `.model`, a Hugging Face
-    `tokenizer.json`, or a folder holding one of them. None uses the tokenizer shipped with the project (trained
-    on the shipped stdlib_docs corpus). The model keeps its own vocabulary (flavor, hf_config, overrides) when the
-    tokenizer fits in it, padded rows included; a larger tokenizer is refused."""
+    `tokenizer.json`, or a folder holding one of them; a local path or an object store URL. None uses the
+    tokenizer shipped with the project (trained on the shipped stdlib_docs corpus). The model keeps its own
+    vocabulary (flavor, hf_config, overrides) when the tokenizer fits in it, padded rows included; a larger
+    tokenizer is refused."""
 
     converters: list[str] = field(default_factory=list)
     """Model converters applied after building on the meta device, in order, e.g. ["float8"]."""
@@ -49,9 +50,9 @@ class Model:
     """Print the model after converters ran."""
 
     hf_config: str | None = None
-    """A Hugging Face model folder (or its config.json) whose config gives the model's shape instead of
-    --model.flavor: every key is read or refused in one line. Typically the folder of
-    --checkpoint.initial_load_path with --checkpoint.initial_load_in_hf. A checkpoint's saved config.toml
+    """A Hugging Face model folder (or its config.json; a local path or an object store URL) whose config gives
+    the model's shape instead of --model.flavor: every key is read or refused in one line. Typically the folder
+    of --checkpoint.initial_load_path with --checkpoint.initial_load_in_hf. A checkpoint's saved config.toml
     records the resolved shape (as overrides), so it reloads without the folder."""
 
     overrides: list[str] = field(default_factory=list)
@@ -402,7 +403,8 @@ class Checkpoint:
     """Dtype of the model-only export (export-step-N)."""
 
     initial_load_path: str | None = None
-    """Checkpoint to start from when the run folder has none (e.g. a seed checkpoint or a converted model)."""
+    """Checkpoint to start from when the run folder has none (e.g. a seed checkpoint or a converted model); a local
+    path or an object store URL (s3://..., docs/object_storage.md), a Hugging Face folder included."""
 
     initial_load_model_only: bool = True
     """Load only model weights from initial_load_path."""

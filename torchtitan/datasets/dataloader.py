@@ -5,7 +5,7 @@ from pathlib import Path
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from torchtitan.components import storage
+from torchtitan.tools import storage
 from torchtitan.components.tokenizer.backends import Tokenizer
 from torchtitan.config.job_config import JobConfig
 from torchtitan.datasets.packing import (

@@ -18,7 +18,7 @@ naming it, before the first step); the first read of a part in a process checks 
 size unchanged), so every part a rank reads is verified once, just before its first window is used. Parts
 written before the checksums existed are checked for size only.
 
-The folder may be an object store URL (`s3://bucket/shards/web/train`, components/storage.py): the sizes come
+The folder may be an object store URL (`s3://bucket/shards/web/train`, tools/storage.py): the sizes come
 from one listing, each window is one ranged read of its bytes, and the store's own checksums stand in for the
 per-part CRC (see _RemotePart). Upload a folder written by pretokenize as it is (e.g. `aws s3 cp --recursive`).
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from torchtitan.components import storage
+from torchtitan.tools import storage
 from torchtitan.components.tokenizer.backends import Tokenizer
 
 MANIFEST = "manifest.json"

@@ -8,8 +8,9 @@ listed once here.
 """
 
 import json
-import os
 from typing import Any
+
+from torchtitan.tools import storage
 
 
 class UnsupportedHFConfig(ValueError):
@@ -91,13 +92,12 @@ def rope_dict(reader: HFConfigReader) -> dict:
 
 def read_config_file(folder: str) -> dict:
     """The config.json of a folder (or a path to the file itself), with one-line errors."""
-    path = folder if folder.endswith(".json") else os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
+    path = folder if folder.endswith(".json") else storage.join(folder, "config.json")
+    if not storage.isfile(path):
         raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder")
     try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+        config = json.loads(storage.read_bytes(path))
+    except (OSError, ValueError) as e:
         raise UnsupportedHFConfig(f"{path} is not readable JSON: {e}") from e
     if not isinstance(config, dict):
         raise UnsupportedHFConfig(f"{path} does not hold a JSON object")

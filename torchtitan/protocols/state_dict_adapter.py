@@ -7,7 +7,6 @@ another model (another shape, rope theta, norm eps, ...) is refused in one line 
 silently different model.
 """
 
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 
 from torchtitan.protocols.hf_config import UnsupportedHFConfig, read_config_file
+from torchtitan.tools import storage
 
 
 @dataclass
@@ -96,7 +96,7 @@ class StateDictAdapter(ABC):
     def args_from_hf(cls, folder: str) -> Any:
         """Our args for an HF folder (or config.json path): its model_type must be one this adapter reads."""
         config = read_config_file(folder)
-        where = folder if folder.endswith(".json") else os.path.join(folder, "config.json")
+        where = folder if folder.endswith(".json") else storage.join(folder, "config.json")
         model_type = config.get("model_type")
         if model_type not in cls.HF_MODEL_TYPES:
             arch = ", ".join(config.get("architectures") or []) or "no architectures listed"
@@ -125,7 +125,7 @@ class StateDictAdapter(ABC):
         ]
         if diffs:
             raise HFConfigMismatch(
-                f"Hugging Face config {os.path.join(folder, 'config.json')} does not match the model: "
+                f"Hugging Face config {storage.join(folder, 'config.json')} does not match the model: "
                 f"{'; '.join(diffs)}; train the folder's own shape (--model.hf_config {folder}) or pick the "
                 f"--model.flavor (and tokenizer) the folder was made for"
             )

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase, FileSystemWriter
 
-from torchtitan.components import storage
+from torchtitan.tools import storage
 
 SIDECAR_PREFIX = "checksums-rank-"
 ALGORITHM = "crc32"

@@ -8,7 +8,7 @@
     {root}/leases/            readers' holds on steps (retention leaves a held step alone)
     {root}/latest.json        on an object store: the newest completed step (a hint where a listing lags)
 
-On an object store (`root` an fsspec URL, see components/storage.py) nothing is renamed: a save writes into
+On an object store (`root` an fsspec URL, see tools/storage.py) nothing is renamed: a save writes into
 `step-N` directly and the manifest, written last, is what makes it complete; a `step-N` without one is an
 unfinished save (skipped with a warning, replaced by a later save of that step), and retention deletes a
 manifest first. Listings are hints: the manifest and the files' own sizes decide.
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchtitan.components import storage
+from torchtitan.tools import storage
 from torchtitan.components.checkpoint.checksums import file_checksum
 from torchtitan.tools import fault_injection
 from torchtitan.tools.logging import logger

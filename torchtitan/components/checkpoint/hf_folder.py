@@ -3,7 +3,8 @@
 Reading: each rank reads, with safetensors' slicing (`safe_open(...).get_slice`), only the part of each HF
 tensor that its own shards of the model hold (the box DTensor reports for it), through the adapter's
 `hf_layout` (a rename, experts split along dim 0, or rows permuted within heads, for which the whole heads
-covering the box are read). Single files and index-sharded folders alike.
+covering the box are read). Single files and index-sharded folders alike. On an object store (`folder` a URL)
+the box's bytes are fetched with ranged GETs from the offsets in the file's header (SliceReader).
 
 Writing (`save_hf_folder`): every rank casts its own slices to the export dtype and writes them, in parts of
 at most PART_BYTES, under `<folder>/sharded/<file>/`; then torch's DCP consolidation
@@ -12,7 +13,7 @@ parts of each output file, one tensor at a time, on the rank that owns that file
 save_pretrained's layout: `model.safetensors`, or `model-0000i-of-0000n.safetensors` + the index when the
 size limit splits it, with config.json, generation_config.json and the tokenizer files. Peak memory per
 rank: its slices (1/N of the model) + one part + one whole tensor (consolidation), plus a constant. `folder`
-may be an object store URL (components/storage.py): the same steps run in a local scratch folder per rank,
+may be an object store URL (tools/storage.py): the same steps run in a local scratch folder per rank,
 with each rank uploading what it wrote (write_hf_weights).
 """
 
@@ -32,7 +33,7 @@ from torch.distributed.checkpoint._consolidate_hf_safetensors import _consolidat
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from torchtitan.components import storage
+from torchtitan.tools import storage
 from torchtitan.protocols.state_dict_adapter import HFLayout, StateDictAdapter
 
 INDEX = "model.safetensors.index.json"
@@ -53,60 +54,63 @@ class HFFolderError(ValueError):
 def weight_files(folder: str) -> dict[str, str]:
     """HF tensor name -> the safetensors file holding it, checked: the index's files exist, every file's
     header is readable and its tensors lie within the file (a truncated download is caught here)."""
-    index = os.path.join(folder, INDEX)
-    if os.path.isfile(index):
+    return {k: name for name, header in weight_headers(folder).items() for k in header}
+
+
+def weight_headers(folder: str) -> dict[str, dict]:
+    """Safetensors file name -> its header (tensor name -> dtype, shape, data_offsets), for every weights file
+    of the folder (local or on a store: three small requests a file), checked as `weight_files` says."""
+    index = storage.join(folder, INDEX)
+    if storage.isfile(index):
         try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = json.loads(storage.read_bytes(index))["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise HFFolderError(f"{index} is not a safetensors index (no weight_map): {e}") from e
         files = sorted(set(weight_map.values()))
-    elif os.path.isfile(os.path.join(folder, SINGLE)):
+    elif storage.isfile(storage.join(folder, SINGLE)):
         weight_map, files = None, [SINGLE]
     else:
         raise HFFolderError(f"{folder} holds no {SINGLE} and no {INDEX}: not a Hugging Face weights folder")
-    found: dict[str, str] = {}
+    headers: dict[str, dict] = {}
     for name in files:
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path):
+        path = storage.join(folder, name)
+        if not storage.isfile(path):
             raise HFFolderError(f"{index} names {name}, which is missing from {folder}: the download is incomplete")
-        _check_complete(path)
-        with safe_open(path, framework="pt") as f:
-            found.update({k: name for k in f.keys()})
+        headers[name] = {k: v for k, v in _check_complete(path).items() if k != "__metadata__"}
     if weight_map is not None:
+        found = {k: name for name, header in headers.items() for k in header}
         lost = sorted(k for k, name in weight_map.items() if found.get(k) != name)
         if lost:
             raise HFFolderError(f"{index} places {lost[0]} in {weight_map[lost[0]]}, which does not hold it")
-    return found
+    return headers
 
 
 def _check_complete(path: str) -> dict:
-    """A safetensors file's header (tensor name -> dtype, shape, offsets); refuses a file shorter than its
-    header says (safetensors itself only notices when a tensor in the missing part is read, with a bus error
-    under mmap)."""
+    """A safetensors file's header (tensor name -> dtype, shape, offsets; the data starts at `__data_start__`,
+    added here); refuses a file shorter than its header says (safetensors itself only notices when a tensor in
+    the missing part is read, with a bus error under mmap). The format: an 8-byte little-endian header length,
+    the JSON header, then the tensors' bytes, each at data_offsets from the end of the header."""
     try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
+        n = int.from_bytes(storage.read_range(path, 0, 8), "little")
+        header = json.loads(storage.read_range(path, 8, 8 + n))
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise HFFolderError(f"{path} is not a readable safetensors file ({type(e).__name__}); download it again") from e
-    size = os.path.getsize(path)
+    size = storage.size(path)
     if 8 + n + end > size:
         raise HFFolderError(
             f"{path} is truncated: its header describes {8 + n + end:,} bytes, the file has {size:,}; download it again"
         )
+    for k, v in header.items():
+        if k != "__metadata__":
+            v["__data_start__"] = 8 + n
     return header
 
 
 def weight_shapes(folder: str) -> dict[str, list[int]]:
     """HF tensor name -> shape, from the safetensors headers alone (no tensor is read), checked as in
     `weight_files`."""
-    shapes: dict[str, list[int]] = {}
-    for name in sorted(set(weight_files(folder).values())):
-        header = _check_complete(os.path.join(folder, name))
-        shapes.update({k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"})
-    return shapes
+    return {k: list(v["shape"]) for header in weight_headers(folder).values() for k, v in header.items()}
 
 
 def check_weight_shapes(folder: str, adapter: StateDictAdapter, shapes: dict[str, torch.Size],
@@ -148,29 +152,93 @@ class _HeaderShapes:
 
 
 class SliceReader:
-    """Reads boxes of HF tensors from a folder's safetensors files. Each read opens its file and closes it
-    again: safetensors maps the file, and pages a read touched stay in the process's RSS until the file is
-    closed, so a long-open file would hold every slice read from it."""
+    """Reads boxes of HF tensors from a folder's safetensors files, local or on an object store.
+
+    Locally each read opens its file with safetensors and closes it again: safetensors maps the file, and pages
+    a read touched stay in the process's RSS until the file is closed, so a long-open file would hold every
+    slice read from it. On a store (`folder` a URL; torch's HuggingFaceStorageReader opens local files only)
+    the box is read with ranged GETs from the offsets the header gives (`_read_box_ranges`): a rank fetches the
+    bytes of its own box, not the file."""
 
     def __init__(self, folder: str):
-        self.folder, self.where = folder, weight_files(folder)
-        self._shapes: dict[str, list[int]] = {}
+        self.folder, self.remote = folder, storage.is_url(folder)
+        self._headers = weight_headers(folder)
+        self.where = {k: name for name, header in self._headers.items() for k in header}
 
     def shape(self, key: str) -> list[int]:
-        if key not in self._shapes:
-            with self._open(key) as f:
-                self._shapes[key] = list(f.get_slice(key).get_shape())
-        return self._shapes[key]
+        return list(self._entry(key)["shape"])
 
     def read(self, key: str, offsets: Iterable[int], sizes: Iterable[int]) -> torch.Tensor:
+        offsets, sizes = list(offsets), list(sizes)
+        if self.remote:
+            return _read_box_ranges(storage.join(self.folder, self.where[key]), self._entry(key), offsets, sizes)
         index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
-        with self._open(key) as f:
+        with safe_open(os.path.join(self.folder, self.where[key]), framework="pt") as f:
             return f.get_slice(key)[index].clone()  # a copy: the slice is a view of the mapped file
 
-    def _open(self, key: str):
+    def _entry(self, key: str) -> dict:
         if key not in self.where:
             raise HFFolderError(f"{self.folder} lacks the weight {key}: a checkpoint of another model?")
-        return safe_open(os.path.join(self.folder, self.where[key]), framework="pt")
+        return self._headers[self.where[key]][key]
+
+
+# safetensors' dtype names (its format specification)
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+MERGE_GAP_BYTES = 1 << 20
+"""Two byte runs of a box on a store are fetched by one ranged GET when at most this many unneeded bytes lie
+between them: a request costs ~10-50 ms of latency, the time ~1-5 MB take at a stream's ~100 MB/s, so a smaller
+gap is cheaper read than asked for separately (a box split along a later dim, e.g. tensor parallel's row-wise
+weights, then reads its rows whole: up to TP times its share of those tensors, still 1/FSDP of each)."""
+
+
+def _read_box_ranges(url: str, entry: dict, offsets: list[int], sizes: list[int]) -> torch.Tensor:
+    """The box (offsets, sizes) of one safetensors tensor on a store, from ranged GETs of the runs of bytes the
+    box covers (row-major: a run per index of the dims before the last partial one), runs closer than
+    MERGE_GAP_BYTES fetched together, in parts of at most storage.PART_BYTES."""
+    if entry["dtype"] not in SAFETENSORS_DTYPES:
+        raise HFFolderError(f"{url}: dtype {entry['dtype']} is not one torch reads")
+    dtype, shape = SAFETENSORS_DTYPES[entry["dtype"]], list(entry["shape"])
+    item = torch.empty((), dtype=dtype).element_size()
+    base = entry["__data_start__"] + entry["data_offsets"][0]
+    if math.prod(sizes) == 0:
+        return torch.empty(sizes, dtype=dtype)
+    box = list(sizes)
+    if not shape:  # a scalar
+        shape, offsets, sizes = [1], [0], [1]
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    # k: the dim before which the box takes one run of bytes per index (every dim after k is spanned whole)
+    k = len(shape) - 1
+    while k > 0 and offsets[k] == 0 and sizes[k] == shape[k]:
+        k -= 1
+    run = sizes[k] * strides[k]
+    starts = torch.tensor(offsets[k] * strides[k], dtype=torch.int64)
+    for d in range(k):
+        starts = starts.unsqueeze(-1) + torch.arange(offsets[d], offsets[d] + sizes[d]) * strides[d]
+    starts = starts.reshape(-1)
+    gaps = (starts[1:] - starts[:-1] - run) * item
+    cuts = [0, *((gaps > MERGE_GAP_BYTES).nonzero().flatten() + 1).tolist(), len(starts)]
+    groups = [(a, b) for a, b in zip(cuts[:-1], cuts[1:])]
+    ranges = []  # (first byte, end byte) of each part of each group
+    for a, b in groups:
+        lo, hi = base + int(starts[a]) * item, base + (int(starts[b - 1]) + run) * item
+        ranges += [(p, min(p + storage.PART_BYTES, hi)) for p in range(lo, hi, storage.PART_BYTES)]
+    parts = iter(storage.read_ranges(url, ranges))
+    out = torch.empty(len(starts), run, dtype=dtype)
+    within = torch.arange(run)
+    for a, b in groups:
+        lo, hi = base + int(starts[a]) * item, base + (int(starts[b - 1]) + run) * item
+        blob = bytearray()
+        while len(blob) < hi - lo:
+            blob += next(parts)
+        flat = torch.frombuffer(blob, dtype=torch.uint8).view(dtype)
+        out[a:b] = flat[(starts[a:b] - starts[a]).unsqueeze(1) + within]
+    return out.view(box)
 
 
 def local_box(t: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int], bool]:
@@ -350,12 +418,6 @@ def check_output_folder(folder: str) -> None:
         raise HFFolderError(f"{folder} exists and is not empty; choose another output folder or remove it")
 
 
-def _upload_tree(local: str, url: str) -> None:
-    """Uploads the files under a local folder (this rank's own) to the same names under `url`."""
-    for rel in sorted(storage.file_sizes(local)):
-        storage.upload_file(os.path.join(local, rel), storage.join(url, *rel.split(os.sep)))
-
-
 def write_hf_weights(
     chunks: Iterable[tuple[str, torch.Tensor, list[int]]],
     shapes: dict[str, list[int]],
@@ -379,7 +441,7 @@ def write_hf_weights(
             writer.add(key, t.detach().to(device="cpu", dtype=dtype), offsets)
         writer.flush()
         if remote and os.path.isdir(sharded):
-            _upload_tree(sharded, storage.join(folder, "sharded"))
+            upload_files(sharded, storage.join(folder, "sharded"))
         if dist.is_initialized():
             dist.barrier()
         names = sorted(set(files.values()))
@@ -452,18 +514,28 @@ def save_hf_folder(
     chunks = (c for key, t in state_dict.items() for c in hf_chunks(adapter, key, t))
     write_hf_weights(chunks, shapes, folder, dtype, max_shard_bytes)
     if rank == 0:
-        if storage.is_url(folder):  # written locally, then uploaded; config.json last (what marks it complete)
-            with tempfile.TemporaryDirectory(prefix="torchtitan-hf-") as work:
-                write_hf_metadata(work, config, tokenizer)
-                names = sorted(storage.file_sizes(work), key=lambda n: n == "config.json")
-                for name in names:
-                    storage.upload_file(os.path.join(work, name), storage.join(folder, name))
-        else:
-            write_hf_metadata(folder, config, tokenizer)
+        write_hf_metadata(folder, config, tokenizer)
 
 
 def write_hf_metadata(folder: str, config: dict, tokenizer=None) -> None:
-    """config.json, generation_config.json and (given a project tokenizer) the tokenizer files."""
+    """config.json, generation_config.json and (given a project tokenizer) the tokenizer files; config.json
+    last (a folder with it is complete). On a store they are written in a local scratch folder and uploaded."""
+    if storage.is_url(folder):
+        with tempfile.TemporaryDirectory(prefix="torchtitan-hf-") as work:
+            _write_hf_metadata(work, config, tokenizer)
+            upload_files(work, folder, last="config.json")
+        return
+    _write_hf_metadata(folder, config, tokenizer)
+
+
+def upload_files(local: str, url: str, last: str | None = None) -> None:
+    """Uploads every file under a local folder to the same names under `url`, the file named `last` last (the
+    one whose presence marks the folder complete)."""
+    for rel in sorted(storage.file_sizes(local), key=lambda n: (n == last, n)):
+        storage.upload_file(os.path.join(local, rel), storage.join(url, *rel.split(os.sep)))
+
+
+def _write_hf_metadata(folder: str, config: dict, tokenizer=None) -> None:
     from torchtitan.components.tokenizer.hf_export import save_hf_tokenizer
 
     if tokenizer is not None:

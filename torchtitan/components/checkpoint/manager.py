@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components import storage
+from torchtitan.tools import storage
 from torchtitan.components.checkpoint import checksums
 from torchtitan.components.checkpoint import folders
 from torchtitan.components.checkpoint.hf_folder import load_hf_into, save_hf_folder
@@ -486,7 +486,7 @@ class CheckpointManager:
     def _load_hf(self, path: str) -> None:
         if self.hf_adapter is None:
             raise CheckpointError(f"model {self.cfg.model.name} has no Hugging Face adapter; cannot load {path}")
-        if not os.path.isfile(os.path.join(path, "config.json")):
+        if not storage.isfile(storage.join(path, "config.json")):
             raise CheckpointError(f"--checkpoint.initial_load_path {path}: not a Hugging Face folder (no config.json)")
         try:
             # The folder's config must describe the model trained (a same-shaped model with another rope
@@ -616,15 +616,23 @@ class CheckpointManager:
                 logger.info(f"Saved model-only export {final} (weights for generation and conversion; not resumable)")
 
     def _mirror_run_record(self) -> None:
-        """On a store, the run folder's record (metrics.jsonl, the resolved config.toml) is copied beside the
-        checkpoints (`{root}/run/`) at every save, so it outlives the nodes; a failure here is only a warning."""
+        """On a store, the run folder's record (metrics.jsonl, the resolved config.toml and, when enabled, the
+        TensorBoard event files) is copied beside the checkpoints (`{root}/run/`) at every save, so it outlives
+        the nodes; a failure here is only a warning. TensorBoard writes locally: its own S3 support is boto3's
+        (not this storage layer: no retries, credentials of its own) and, with no append on a store, it would
+        rewrite the whole event file at every flush."""
         if not storage.is_url(self.root):
             return
-        for name in ("metrics.jsonl", "config.toml"):
-            local = os.path.join(self.cfg.job.dump_folder, name)
+        dump = self.cfg.job.dump_folder
+        names = ["metrics.jsonl", "config.toml"]
+        tb = self.cfg.metrics.save_tb_folder
+        if self.cfg.metrics.enable_tensorboard and os.path.isdir(os.path.join(dump, tb)):
+            names += [os.path.join(tb, rel) for rel in sorted(storage.file_sizes(os.path.join(dump, tb)))]
+        for name in names:
+            local = os.path.join(dump, name)
             if os.path.isfile(local):
                 try:
-                    storage.upload_file(local, storage.join(self.root, RUN_RECORD, name))
+                    storage.upload_file(local, storage.join(self.root, RUN_RECORD, *name.split(os.sep)))
                 except OSError as e:
                     logger.warning(f"Could not copy {local} to {self.root}/{RUN_RECORD}/: {e}")
 

@@ -6,6 +6,7 @@ checkpoint without config, e.g. one converted from Hugging Face).
 """
 
 import os
+import tempfile
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -24,20 +25,27 @@ from torchtitan.components.checkpoint.hf_folder import load_hf_into
 from torchtitan.config import JobConfig
 from torchtitan.protocols.train_spec import config_manager
 from torchtitan.protocols.model_shape import resolve_model
+from torchtitan.tools import storage
 
 
 def job_config_of(checkpoint: str, overrides: list[str]) -> JobConfig:
     """The config `checkpoint` was written with (when it has one), then `overrides` (--section.key value)."""
-    saved = os.path.join(checkpoint, folders.CONFIG)
-    recipe = ["--job.config_file", saved] if os.path.isfile(saved) else []
-    cfg = config_manager(skip_retired=True).parse_args(recipe + list(overrides))  # older runs' configs load too
+    saved = storage.join(checkpoint, folders.CONFIG)
+    with tempfile.TemporaryDirectory(prefix="torchtitan-config-") as work:
+        if storage.is_url(saved) and storage.isfile(saved):  # the config parser reads local files
+            local = os.path.join(work, folders.CONFIG)
+            with open(local, "wb") as f:
+                f.write(storage.read_bytes(saved))
+            saved = local
+        recipe = ["--job.config_file", saved] if storage.isfile(saved) else []
+        cfg = config_manager(skip_retired=True).parse_args(recipe + list(overrides))  # older runs' configs load too
     if is_hf_folder(checkpoint) and not cfg.model.hf_config:
         cfg.model.hf_config = checkpoint  # a Hugging Face folder carries its shape in config.json
     return cfg
 
 
 def is_hf_folder(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "config.json"))
+    return storage.isfile(storage.join(path, "config.json"))
 
 
 def build_cpu_model(cfg: JobConfig) -> tuple[nn.Module, object, object, object]:
@@ -59,9 +67,9 @@ def load_model_weights(model: nn.Module, checkpoint: str, hf_adapter=None, model
     Face folder's config is compared with `model_args` (every setting the model computes with)."""
     expected = model.state_dict()
     shapes = {k: v.shape for k, v in expected.items()}
-    if not os.path.isdir(checkpoint):
+    if not storage.isdir(checkpoint):
         raise CheckpointError(f"checkpoint {checkpoint}: no such folder")
-    if os.path.isfile(os.path.join(checkpoint, "config.json")):
+    if is_hf_folder(checkpoint):
         if hf_adapter is None:
             raise CheckpointError(f"{checkpoint} is a Hugging Face folder but the model has no adapter")
         try:
@@ -77,6 +85,7 @@ def load_model_weights(model: nn.Module, checkpoint: str, hf_adapter=None, model
     saved_model = {k[len("model.") :]: m.size for k, m in saved.items() if k.startswith("model.")}
     check_shapes(f"checkpoint {checkpoint}", saved_model, shapes, exact=True)
     try:
-        dcp.load({"model": ModelWrapper([model])}, checkpoint_id=checkpoint, no_dist=True)
+        dcp.load({"model": ModelWrapper([model])}, checkpoint_id=checkpoint,
+                 storage_reader=storage.dcp_reader(checkpoint), no_dist=True)
     except DCP_ERRORS as e:  # DCP raises many types
         raise CheckpointError(f"cannot load checkpoint {checkpoint}: {type(e).__name__}: {str(e).strip()[:200]}") from e

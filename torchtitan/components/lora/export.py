@@ -12,6 +12,8 @@ and must have the fingerprint the checkpoint's manifest names.
 
 import json
 import os
+import shutil
+import tempfile
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -27,11 +29,12 @@ from torchtitan.components.checkpoint.manager import (
     check_shapes,
     read_dcp_metadata,
 )
-from torchtitan.components.checkpoint.hf_folder import save_hf_folder
+from torchtitan.components.checkpoint.hf_folder import save_hf_folder, upload_files
 from torchtitan.components.lora.adapters import LoRAConverter, lora_modules, merge_adapters
 from torchtitan.components.checkpoint.offline_model import build_cpu_model, load_model_weights
 from torchtitan.config import JobConfig
 from torchtitan.distributed.parallel_dims import parallel_dims_from_config
+from torchtitan.tools import storage
 
 
 def load_lora_model(checkpoint: str, cfg: JobConfig) -> tuple[nn.Module, object, object]:
@@ -62,7 +65,8 @@ def load_lora_model(checkpoint: str, cfg: JobConfig) -> tuple[nn.Module, object,
     check_shapes(f"checkpoint {checkpoint}", saved_model, {k: v.shape for k, v in adapters.state_dict().items()},
                  exact=True)
     try:
-        dcp.load({"model": adapters}, checkpoint_id=checkpoint, no_dist=True)
+        dcp.load({"model": adapters}, checkpoint_id=checkpoint, storage_reader=storage.dcp_reader(checkpoint),
+                 no_dist=True)
     except DCP_ERRORS as e:
         raise CheckpointError(f"cannot load checkpoint {checkpoint}: {type(e).__name__}: {e}") from e
     return model.eval(), spec, args
@@ -103,13 +107,21 @@ def save_peft(model: nn.Module, adapter_cls, args, folder: str, base_name_or_pat
         tensors[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
         targets.append(module)
         rank, alpha = m.lora_a.shape[0], m.lora_scale * m.lora_a.shape[0]
-    os.makedirs(folder, exist_ok=True)
-    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_name_or_path,
         "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": targets, "bias": "none",
         "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True, "modules_to_save": None,
         "inference_mode": True,
     }
-    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    remote = storage.is_url(folder)
+    work = tempfile.mkdtemp(prefix="torchtitan-peft-") if remote else folder  # on a store: written, then uploaded
+    try:
+        os.makedirs(work, exist_ok=True)
+        save_file(tensors, os.path.join(work, "adapter_model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(work, "adapter_config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        if remote:
+            upload_files(work, folder, last="adapter_config.json")
+    finally:
+        if remote:
+            shutil.rmtree(work, ignore_errors=True)

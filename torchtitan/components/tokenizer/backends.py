@@ -8,13 +8,17 @@ file name or content.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import re
+import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from torchtitan.tools import storage
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parents[2] / "assets" / "tokenizer" / "stdlib_bpe.tiktoken"
 
@@ -261,11 +265,46 @@ def _find_in_folder(folder: Path) -> Path:
     )
 
 
+# Beside a tokenizer file, what its loaders read too (a Hugging Face tokenizer.json's special tokens).
+_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def _download(url: str) -> Path:
+    """A tokenizer file or folder on an object store, copied to a local folder (the tokenizer libraries read
+    local files): the file itself (or, for a folder, the candidates it holds) and its companions. A few MB,
+    fetched again at each start; each file written whole under its name (storage.write_bytes)."""
+    url = url.rstrip("/")
+    local = Path(tempfile.gettempdir()) / f"torchtitan-tokenizer-{hashlib.sha256(url.encode()).hexdigest()[:16]}"
+    if storage.isfile(url):
+        folder, names = url.rsplit("/", 1)
+        names = [names]
+        result = local / names[0]
+    else:
+        folder = url
+        listed = storage.listdir(url)
+        if not listed:
+            raise FileNotFoundError(f"tokenizer path {url} does not exist: expected a tokenizer.json, a *.tiktoken "
+                                    f"or tokenizer.model file, or a folder holding one")
+        names = [n for n in FOLDER_CANDIDATES if n in listed or (
+            "/" in n and storage.isfile(storage.join(url, n)))] + sorted(n for n in listed if n.endswith(".tiktoken"))
+        result = local
+    for name in [*names, *_COMPANIONS]:
+        source = storage.join(folder, name)
+        if name in _COMPANIONS and not storage.isfile(source):
+            continue
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        storage.write_bytes(str(local / name), storage.read_bytes(source))
+    return result
+
+
 def build_tokenizer(path: str | os.PathLike[str] | None) -> Tokenizer:
     """The shipped tokenizer for ``None``; otherwise the tokenizer file at ``path`` or found
-    inside the folder ``path`` (see ``FOLDER_CANDIDATES``)."""
+    inside the folder ``path`` (see ``FOLDER_CANDIDATES``); ``path`` may be an object store URL (the files are
+    copied to a local folder first)."""
     if path is None:
         return TiktokenTokenizer(SHIPPED_TOKENIZER)
+    if storage.is_url(os.fspath(path)):
+        path = _download(os.fspath(path))
     file = Path(path).expanduser()
     if not file.exists():
         raise FileNotFoundError(

@@ -235,6 +235,24 @@ def read_range(path: str, start: int, end: int) -> bytes:
     return retry(f"reading {path}", lambda: fs.cat_file(p, start=start, end=end))
 
 
+def read_ranges(path: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+    """Bytes [start, end) of a file for each range; on a store one ranged GET each, sent concurrently (the
+    whole set retried on a transient error)."""
+    if not ranges:
+        return []
+    if not is_url(path):
+        with open(_local(path), "rb") as f:
+            out = []
+            for start, end in ranges:
+                f.seek(start)
+                out.append(f.read(end - start))
+            return out
+    fs, p = filesystem(path)
+    starts, ends = [a for a, _ in ranges], [b for _, b in ranges]
+    return retry(f"reading {path}",
+                 lambda: fs.cat_ranges([p] * len(ranges), starts, ends, on_error="raise"))
+
+
 def read_json(path: str) -> Any:
     return json.loads(read_bytes(path))
 
