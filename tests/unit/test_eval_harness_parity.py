@@ -23,7 +23,6 @@ the first shipped request's log-likelihood is 6.7 nats off.
 import gzip
 import json
 import math
-import os
 import random
 
 import pytest

@@ -16,7 +16,6 @@ import json
 import os
 import sys
 
-import torch
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,6 @@ do not match it (truncated copy, half-deleted folder, lost file, a changed byte)
 version than FORMAT_VERSION is refused: its meaning is unknown to this code.
 """
 
-import json
 import os
 import re
 import subprocess
