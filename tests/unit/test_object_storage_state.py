@@ -141,7 +141,7 @@ def test_lora_adapters_exported_to_the_bucket_load_in_peft(bucket, tmp_path):
     with torch.no_grad():
         adapted, base_logits = model(tokens), base(tokens)
         assert (adapted - base_logits).abs().max() > 100 * 1e-5 * adapted.abs().max()  # the check can fail
-        _logits_close(with_adapters(tokens).logits, adapted)
+        _logits_close(with_adapters(tokens).logits, adapted, model)
 
 
 def test_tensorboard_events_are_copied_beside_the_checkpoints(bucket, tmp_path):
