@@ -32,6 +32,8 @@ import torch
 from tests.multiprocess import run_ranks
 from tests.tolerances import logits_tol
 
+pytestmark = pytest.mark.distributed  # a 4-rank group
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 2048  # the shipped tokenizer's
