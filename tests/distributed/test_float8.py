@@ -19,6 +19,7 @@ import torch
 
 from tests.distributed.test_parity_2d import LAYOUTS, assert_parity
 from tests.distributed.trainer_runs import curves, train
+from tests.tolerances import float8_drift_rtol
 
 pytestmark = pytest.mark.distributed
 
@@ -92,7 +93,7 @@ def test_gap_check_catches_unscaled_float8(bf16_curve, tmp_path):
 # same microbatches (2 sequences): a 4-sequence microbatch has another amax, other scales and other roundings
 # (measured: 0.6% loss difference by step 9, far above the parity tolerance).
 MICROBATCH_2 = ["--training.local_batch_size", "2"]
-EARLY_STEPS, CURVE_RTOL = 3, 2e-3
+EARLY_STEPS, CURVE_RTOL = 3, float8_drift_rtol(64)  # debugmodel_tiny's dim
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +118,6 @@ def test_float8_layout_matches_single_process(layout, extra, float8_reference, t
     loss, gnorm = curves(steps)
     ref_loss, ref_gnorm = float8_reference
     # The first steps agree to fp32 noise, like any layout; later the noise flips an occasional float8 rounding
-    # (one e4m3 step is 6%) and the curves drift apart, measured up to 4.5e-4 relative by step 10.
+    # and the curves drift apart (tests/tolerances.float8_drift_rtol), measured up to 4.5e-4 relative by step 10.
     assert_parity((loss[:EARLY_STEPS], gnorm[:EARLY_STEPS]), (ref_loss[:EARLY_STEPS], ref_gnorm[:EARLY_STEPS]))
     torch.testing.assert_close(loss, ref_loss, rtol=CURVE_RTOL, atol=0)
