@@ -18,7 +18,7 @@ from tests.e2e.test_run_train import ROOT, run
 pytestmark = pytest.mark.e2e
 
 TINY = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.steps", "3", "--validation.enable", "false", "--metrics.log_freq", "1"]
+        "--training.steps", "3", "--validation.enable", "false", "--eval.enable", "false", "--metrics.log_freq", "1"]
 
 
 @pytest.fixture(scope="module")

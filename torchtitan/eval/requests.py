@@ -105,8 +105,8 @@ def build_requests(task: Task, tokenizer, max_length: int, fewshot_seed: int) ->
                 raise TaskError(f"task {task.name}: document {i}'s continuation {cont!r} encodes to no token")
             if len(cont_tokens) > max_length:
                 raise TaskError(f"task {task.name}: document {i}'s continuation is {len(cont_tokens)} tokens, longer "
-                                f"than the evaluation window ({max_length}, --training.seq_len); drop the document "
-                                f"or raise the window")
+                                f"than the evaluation window ({max_length}, --training.seq_len); drop the document, "
+                                f"raise the window or leave the task out (--eval.enable false)")
             windows.append(pair_window(ctx_tokens, cont_tokens, max_length, len(pairs)))
             pairs.append((context, cont))
             doc_of_request.append(i)
