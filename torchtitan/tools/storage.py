@@ -298,15 +298,7 @@ def remove(path: str) -> None:
         except FileNotFoundError:
             pass
         return
-    fs, p = filesystem(path)
-
-    def rm():
-        try:
-            fs.rm_file(p)
-        except FileNotFoundError:
-            pass
-
-    retry(f"removing {path}", rm)
+    _remove_on_store(path, recursive=False)
 
 
 def remove_tree(path: str) -> None:
@@ -314,11 +306,15 @@ def remove_tree(path: str) -> None:
     if not is_url(path):
         shutil.rmtree(_local(path), ignore_errors=True)
         return
+    _remove_on_store(path, recursive=True)
+
+
+def _remove_on_store(path: str, recursive: bool) -> None:
     fs, p = filesystem(path)
 
     def rm():
         try:
-            fs.rm(p, recursive=True)
+            fs.rm(p, recursive=True) if recursive else fs.rm_file(p)
         except FileNotFoundError:
             pass
 
