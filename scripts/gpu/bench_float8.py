@@ -1,6 +1,7 @@
 """bf16 vs Float8 training throughput and MFU on one GPU (H100/H200 class), with an 8B-shaped model.
 
     python scripts/gpu/bench_float8.py [--layers 4] [--seq-len 8192] [--batch 1] [--steps 30] [--no-compile]
+        [--runs "bf16,float8 rowwise"]
 
 The model has Llama 3 8B's shapes (dim 4096, FFN 14336, 32 heads / 8 KV heads, vocab 128256) with only
 --layers blocks so that it and its AdamW state fit one GPU. Each configuration (bf16; float8 tensorwise; float8
@@ -105,7 +106,11 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--runs", default=",".join(CONFIGS), help=f"comma-separated, of: {', '.join(CONFIGS)}")
     a = p.parse_args()
+    unknown = set(a.runs.split(",")) - set(CONFIGS)
+    if unknown or "bf16" not in a.runs.split(","):
+        p.error(f"--runs: {', '.join(sorted(unknown)) or 'bf16 missing'}; give bf16 and any of {', '.join(CONFIGS)}")
     if not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA GPU (float8 tensor cores: H100/H200 class)", file=sys.stderr)
         return 1
@@ -114,6 +119,8 @@ def main() -> int:
     name = torch.cuda.get_device_name(device)
     results, skipped = {}, {}
     for label, recipe in CONFIGS.items():
+        if label not in a.runs.split(","):
+            continue
         try:
             results[label] = _run(recipe, a, device)
         except ValueError as e:  # the converter's one-line reason, e.g. no float8 tensor cores
