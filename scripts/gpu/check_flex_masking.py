@@ -61,7 +61,7 @@ def main() -> int:
     flex = torch.compile(lambda q, k, v: flex_module(q, k, v, ids), fullgraph=False)
 
     def run(fn, dtype):
-        q, k, v = (t.to(dtype).requires_grad_() for t in (q32, k32, v32))
+        q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q32, k32, v32))
         out = fn(q, k, v)
         out.backward(dout32.to(dtype))
         return out.float(), [t.grad.float() for t in (q, k, v)]

@@ -14,7 +14,7 @@
 #     - MoE grouped GEMM vs the per-expert loop (bench_moe.py); EP and expert TP over NCCL with >= 2 GPUs
 # A machine with no package registry: put the wheels the environment lacks in .whl/ (docs/performance.md names
 # them); they are installed into /tmp/site and the checkout is installed editable without dependencies.
-# Usage (repo root):  OUT=/tmp/out bash scripts/gpu/run_checks.sh
+# Usage (repo root):  OUT=/tmp/out [CHECKS="name ..."] bash scripts/gpu/run_checks.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-./outputs/gpu_checks}
@@ -39,8 +39,10 @@ set +e  # ensure_env sets -e; a failed check must not end the others
 tail -1 "$OUT/nvidia-smi.txt"
 
 # check NAME SECONDS CMD...: runs CMD with a time limit, its output appended to the log under a header.
+# CHECKS="unit_cuda train_resume ..." runs only the checks named (a rerun of those that failed).
 check() {
     local name=$1 limit=$2; shift 2
+    if [ -n "${CHECKS:-}" ] && [[ " $CHECKS " != *" $name "* ]]; then return 0; fi
     local start=$SECONDS
     echo "=== $name: start $(date +%T)" >> "$LOG.$name"
     timeout --kill-after 10 "$limit" "$@" >> "$LOG.$name" 2>&1
@@ -49,16 +51,13 @@ check() {
 }
 flush() { for f in "$LOG".*; do [ -e "$f" ] && cat "$f" >> "$LOG" && rm -f "$f"; done; }
 
-train() {  # the debug recipe on one GPU
-    NGPU=1 ./run_train.sh --metrics.log_freq 5 "$@"
-}
 debug_runs() {
     local dump=$WORK/debug_cuda
-    check train_async_ckpt 240 train --job.dump_folder "$dump" --training.steps 20 --compile.enable \
+    check train_async_ckpt 240 env NGPU=1 ./run_train.sh --metrics.log_freq 5 --job.dump_folder "$dump" --training.steps 20 --compile.enable \
         --checkpoint.enable --checkpoint.interval 10 --checkpoint.async_mode async_with_pinned_mem
-    check train_resume 150 train --job.dump_folder "$dump" --training.steps 30 --compile.enable \
+    check train_resume 150 env NGPU=1 ./run_train.sh --metrics.log_freq 5 --job.dump_folder "$dump" --training.steps 30 --compile.enable \
         --checkpoint.enable --checkpoint.interval 10 --checkpoint.async_mode async_with_pinned_mem
-    check train_doc_masking 150 train --job.dump_folder "$WORK/doc_masking" --training.steps 10 --compile.enable \
+    check train_doc_masking 150 env NGPU=1 ./run_train.sh --metrics.log_freq 5 --job.dump_folder "$WORK/doc_masking" --training.steps 10 --compile.enable \
         --training.document_masking --training.document_positions --eval.enable false
 }
 
@@ -79,8 +78,7 @@ flush
 
 # ---- phase B (timed: nothing else on the GPU)
 check flex_masking 120 "$PYTHON" scripts/gpu/check_flex_masking.py
-check float8 300 "$PYTHON" scripts/gpu/bench_float8.py --layers 4 --seq-len 8192 --steps 20 \
-    --runs "bf16,float8 rowwise"
+check float8 300 "$PYTHON" scripts/gpu/bench_float8.py --layers 8 --seq-len 8192 --steps 20
 check moe_grouped_gemm 120 "$PYTHON" scripts/gpu/bench_moe.py
 NGPUS=$(nvidia-smi -L | wc -l)
 if [ "$NGPUS" -ge 2 ]; then

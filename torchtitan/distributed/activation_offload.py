@@ -64,6 +64,9 @@ class FileTier:
         # The directory goes with the tier (or at exit): files of groups never read back go with it.
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)
 
+    def holds(self, t: torch.Tensor) -> bool:
+        return True  # a CPU run's tensors, all of them
+
     def write(self, storages: list[torch.UntypedStorage]) -> tuple[Future, int]:
         """Starts writing `storages` (in this order) to a new file; returns (a future of its path, the bytes)."""
         self._count += 1
@@ -121,6 +124,11 @@ class PinnedHostTier:
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        # Tensors autograd saves on the host (a CPU RNG state, an index built there) are in host memory already:
+        # they stay where they are (copying them on a CUDA stream is not possible: record_stream is CUDA's).
+        return t.device.type == "cuda"
 
     def write(self, storages: list[torch.UntypedStorage]) -> tuple[Future, int]:
         total = sum(_aligned(s.nbytes()) for s in storages)
@@ -238,6 +246,7 @@ class ActivationOffloader:
             # Under TP autograd saves DTensors: their local tensor goes, their sharding spec stays.
             local = t._local_tensor if isinstance(t, DTensor) else t
             if (type(local) is not torch.Tensor or local.device.type == "meta"  # other subclasses stay
+                    or not self.tier.holds(local)
                     or _storage(local).data_ptr() in skip or _storage(local).nbytes() == 0):
                 return t
             saved = _Saved(group, group.add(_storage(local)), local)
