@@ -26,7 +26,7 @@ rm -rf "$WORK" && mkdir -p "$WORK"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
 export TORCHTITAN_CACHE_DIR=${TORCHTITAN_CACHE_DIR:-$WORK/cache}
 
-if [ -d .whl ]; then
+if [ -d .whl ] && ! python3 -c "import torchdata, torchao, datasets, wandb, torchtitan" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} \
         && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null \

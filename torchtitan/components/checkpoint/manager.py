@@ -565,7 +565,10 @@ class CheckpointManager:
         if self.base_ref is not None and kind == "full":
             info["base"] = self.base_ref  # what the adapters were trained on; resume checks it
         if self._async:
-            future = dcp.async_save(states, checkpoint_id=partial, storage_writer=writer, process_group=self._pg,
+            # The state dicts, not the Stateful objects: torch 2.11's pinned-memory stager deep-copies what it is
+            # given and fails on the objects' classes (KeyError: <class 'type'>, seen on an H200; 2.13 copies them).
+            plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in states.items()}
+            future = dcp.async_save(plain, checkpoint_id=partial, storage_writer=writer, process_group=self._pg,
                                     async_stager=self._stager)
             self._in_flight = _InFlight(future, partial, final, {**info, "mode": self.ckpt.async_mode}, writer)
             self.last_blocking_s = time.perf_counter() - t0
