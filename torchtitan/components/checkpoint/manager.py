@@ -56,6 +56,22 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the folder and the fix."""
 
 
+# torch < 2.13's DefaultStager closes its StateDictStager after each stage, which empties its pinned-buffer
+# cache and its copy dispatch table; a second stage then fails (KeyError: <class 'type'>; seen on an H200 with
+# torch 2.11 at the second save). There each save gets a new stager; 2.13 keeps one across saves.
+_STAGER_CLOSES_ITSELF = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+
+
+def _pinned_stager():
+    """Stages GPU tensors into pinned host memory; the copies are synchronous so the training step only waits
+    for the device-to-host copy, never for the write. Reused across saves (2.13+), so the pinned buffers are
+    allocated once."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(
+        use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True))
+
+
 class ModelWrapper(Stateful):
     """The model parts of this rank as one FQN-keyed state dict (pipeline parts hold disjoint keys); `part`
     "trainable" or "frozen" keeps only those parameters (a fine-tune on a frozen base saves the trainable ones)."""
@@ -316,15 +332,7 @@ class CheckpointManager:
                     "--checkpoint.async_mode async_with_pinned_mem stages GPU tensors into pinned host memory and "
                     "needs CUDA; on CPU use --checkpoint.async_mode async"
                 )
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            # Reused across saves, so the pinned buffers are allocated once; copies are synchronous so the
-            # training step only waits for the device-to-host copy, never for the write.
-            self._stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
-                )
-            )
+            self._stager = _pinned_stager()
         if dist.is_initialized():
             # The background writer runs collectives (plan, finish) while training runs its own; a group of its
             # own keeps the two streams of collectives apart, and DCP needs a CPU backend (gloo) for them.
@@ -565,11 +573,13 @@ class CheckpointManager:
         if self.base_ref is not None and kind == "full":
             info["base"] = self.base_ref  # what the adapters were trained on; resume checks it
         if self._async:
-            # The state dicts, not the Stateful objects: torch 2.11's pinned-memory stager deep-copies what it is
-            # given and fails on the objects' classes (KeyError: <class 'type'>, seen on an H200; 2.13 copies them).
+            # The state dicts, not the Stateful objects: a stager given the objects (torch versions that stage
+            # before converting them) would deep-copy the objects themselves, model included.
             plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in states.items()}
             future = dcp.async_save(plain, checkpoint_id=partial, storage_writer=writer, process_group=self._pg,
                                     async_stager=self._stager)
+            if self._stager is not None and _STAGER_CLOSES_ITSELF:
+                self._stager = _pinned_stager()  # torch < 2.13 emptied this one after its stage: a new one
             self._in_flight = _InFlight(future, partial, final, {**info, "mode": self.ckpt.async_mode}, writer)
             self.last_blocking_s = time.perf_counter() - t0
             logger.info(f"Checkpoint {final}: staged in {self.last_blocking_s:.2f}s, writing in the background")
