@@ -64,6 +64,7 @@ _RULES = {
     "eval.local_batch_size": _at_least(1),
     "eval.limit": _minus_one_or_at_least(1, "every document"),
     "eval.num_fewshot": _minus_one_or_at_least(0, "each task's own"),
+    "eval.bootstrap_iters": ((lambda v: v >= 0), "0 (no bootstrapped stderr) or more"),
     "optimizer.lr": _non_negative_number(),  # 0 is legitimate: weights stay put (probes, evaluation runs)
     "optimizer.beta1": _fraction(upper_open=True),
     "optimizer.beta2": _fraction(upper_open=True),

@@ -50,12 +50,14 @@ def _train(rank, world_size, argv, dump_folder, probe, setup):
     return extra
 
 
-def train(world_size: int, argv: list[str], dump_folder: str, probe=None, setup=None) -> tuple[list[dict], list]:
+def train(world_size: int, argv: list[str], dump_folder: str, probe=None, setup=None,
+          timeout: float = 600.0) -> tuple[list[dict], list]:
     """Trains on `world_size` ranks; returns (rank 0's logged steps, each rank's probe(trainer) result).
 
     setup(rank, world_size) runs on each rank before the trainer is built (e.g. to break a feature on
-    purpose); probe(trainer) runs after training and its result is returned per rank."""
-    extras = run_ranks(_train, world_size, argv, dump_folder, probe, setup)
+    purpose); probe(trainer) runs after training and its result is returned per rank. `timeout`: seconds to
+    wait for a rank's result (a hang fails the call)."""
+    extras = run_ranks(_train, world_size, argv, dump_folder, probe, setup, timeout=timeout)
     steps = [m for m in read_metrics(dump_folder) if "loss" in m]
     return steps, extras
 

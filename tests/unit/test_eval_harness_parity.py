@@ -24,6 +24,7 @@ import gzip
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -36,6 +37,7 @@ from torchtitan.eval.tasks import SHIPPED_DIR  # noqa: E402
 
 CORPUS = SHIPPED_DIR.parent / "stdlib_docs" / "validation.jsonl.gz"
 WINDOW = 64
+ITERS = 2500  # bootstrap resamples on both sides (the harness's default is 100000)
 
 
 def _texts() -> list[str]:
@@ -55,6 +57,24 @@ def _write_tasks(folder) -> None:
         rnd.shuffle(endings)
         mc.append({"ctx": " ".join(words[:cut]), "topic": words[0], "endings": endings,
                    "label": str(endings.index(" ".join(words[cut:cut + 8])))})
+    with open(folder / "ll_test.jsonl", "w") as f:
+        for p in paras[40:52]:
+            words = p.split()
+            f.write(json.dumps({"ctx": " ".join(words[:len(words) // 2]),
+                                "ending": " " + " ".join(words[len(words) // 2:][:8])}) + "\n")
+    (folder / "ll_next.yaml").write_text(f"""\
+task: ll_next
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {folder / 'll_test.jsonl'}
+output_type: loglikelihood
+test_split: test
+doc_to_text: ctx
+doc_to_target: ending
+metric_list:
+  - metric: perplexity
+""")
     for split, rows in (("train", mc[:10]), ("test", mc[10:22])):
         with open(folder / f"mc_{split}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -124,8 +144,8 @@ def _harness(folder, tasks_dir, names):
     out = lm_eval.simple_evaluate(
         model="hf", model_args=f"pretrained={folder},dtype=float32,max_length={WINDOW}", tasks=names,
         task_manager=TaskManager(include_path=str(tasks_dir)), device="cpu", batch_size=4, log_samples=True,
-        bootstrap_iters=0, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
-    lls = {}
+        bootstrap_iters=ITERS, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
+    lls, items = {}, {}
     for name in names:
         samples = sorted(out["samples"][name], key=lambda s: s["doc_id"])
         flat = []
@@ -133,7 +153,8 @@ def _harness(folder, tasks_dir, names):
             for r in s["resps"]:
                 flat.append(r[0][0] if isinstance(r[0], (list, tuple)) else r[0])
         lls[name] = flat
-    return out["results"], lls
+        items[name] = samples
+    return out["results"], lls, items
 
 
 def test_scores_equal_the_harness(tmp_path, monkeypatch):
@@ -144,15 +165,16 @@ def test_scores_equal_the_harness(tmp_path, monkeypatch):
     tasks_dir.mkdir()
     _write_tasks(tasks_dir)
     _hf_folder(ckpt)
-    names = ["stdlib_next_line", "mc_norm", "rolling"]
+    monkeypatch.setenv("DISABLE_MULTIPROC", "1")  # the harness's bootstrap in this process (the same draws)
+    names = ["stdlib_next_line", "mc_norm", "rolling", "ll_next"]
     ours_file = tmp_path / "ours.json"
     rc = eval_main.main([str(ckpt), "--output", str(ours_file), "--training.seq_len", str(WINDOW),
-                         "--eval.local_batch_size", "4", "--eval.limit", "24",
+                         "--eval.local_batch_size", "4", "--eval.limit", "24", "--eval.bootstrap_iters", str(ITERS),
                          "--eval.tasks", ",".join(str(tasks_dir / f"{n}.yaml") for n in names)])
     assert rc == 0
     ours = json.loads(ours_file.read_text())
     # The shipped task's documents beyond the 24 we score: the harness scores the file; compare the first 24.
-    results, theirs = _harness(ckpt, tasks_dir, names)
+    results, theirs, samples = _harness(ckpt, tasks_dir, names)
 
     for name in names:
         a, b = ours["loglikelihoods"][name], theirs[name][:len(ours["loglikelihoods"][name])]
@@ -165,8 +187,59 @@ def test_scores_equal_the_harness(tmp_path, monkeypatch):
     for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
         want = results["rolling"][f"{metric},none"]
         assert math.isclose(m[f"eval/rolling/{metric}"], want, rel_tol=1e-5), (metric, m[f"eval/rolling/{metric}"], want)
+    want = results["ll_next"]["perplexity,none"]
+    assert math.isclose(m["eval/ll_next/perplexity"], want, rel_tol=1e-5), (m["eval/ll_next/perplexity"], want)
     # Not a vacuous comparison: the model tells the choices apart, the windows roll.
     assert len(set(round(x, 3) for x in ours["loglikelihoods"]["mc_norm"])) > 20
+    _check_bootstraps(m, ours["loglikelihoods"], results, samples)
+
+
+def _check_bootstraps(m, ours, results, samples):
+    """The bootstrapped stderrs. `perplexity` (loglikelihood task): the harness's reported value. The rolling
+    metrics: lm-eval 0.4.13 reports N/A (its list of bootstrappable aggregates leaves out weighted_perplexity
+    and bits_per_byte), so its own `bootstrap_stderr` is called on its own per-document items. Both within the
+    bound `_stderr_tolerance` derives from the two sides' log-likelihood differences; and on our
+    log-likelihoods, its estimator gives ours to float64 rounding (the same draws: ITERS = 2500 is 2 chunks of
+    1000 seeded 0 and 1, the last 500 dropped)."""
+    from lm_eval.api import metrics as hm
+
+    ll_items = [s["perplexity"] for s in samples["ll_next"]]
+    key = "eval/ll_next/perplexity_stderr"
+    assert abs(m[key] - results["ll_next"]["perplexity_stderr,none"]) <= _stderr_tolerance(
+        ours["ll_next"], ll_items, [1] * len(ll_items), "perplexity"), (m[key], results["ll_next"])
+    assert math.isclose(m[key], hm.bootstrap_stderr(hm.perplexity, ours["ll_next"], ITERS), rel_tol=1e-12)
+    docs = [s["doc"]["page"] for s in samples["rolling"]]
+    for metric, agg in (("word_perplexity", hm.weighted_perplexity), ("byte_perplexity", hm.weighted_perplexity),
+                        ("bits_per_byte", hm.bits_per_byte)):
+        assert results["rolling"][f"{metric}_stderr,none"] == "N/A"
+        theirs = [tuple(s[metric]) for s in samples["rolling"]]
+        units = [u for _, u in theirs]
+        assert units == [len(re.split(r"\s+", d)) if metric == "word_perplexity" else len(d.encode()) for d in docs]
+        got = m[f"eval/rolling/{metric}_stderr"]
+        assert abs(got - hm.bootstrap_stderr(agg, theirs, ITERS)) <= _stderr_tolerance(
+            ours["rolling"], [ll for ll, _ in theirs], units, metric), metric
+        mine = list(zip(ours["rolling"], units))
+        assert math.isclose(got, hm.bootstrap_stderr(agg, mine, ITERS), rel_tol=1e-12), metric
+
+
+def _stderr_tolerance(ours: list[float], theirs: list[float], units: list[int], metric: str) -> float:
+    """How far two bootstrapped stderrs may be apart when the documents' log-likelihoods differ (ours vs the
+    harness's) but the resamples are the same. A replicate's statistic is a ratio sum ll / sum units over the
+    drawn documents, which moves by at most b = max_i |dll_i| / units_i; exp(-ratio) = p_r then by at most
+    m_r = p_r e^b (e^b - 1), bits per byte by m_r = b / ln 2. The sample standard deviation is a seminorm over
+    the R replicates divided by sqrt(R - 1), so it moves by at most sqrt(sum m_r^2 / (R - 1)) (triangle
+    inequality). The p_r are our replicates, drawn as the harness draws them (chunk i of min(1000, ITERS) draws
+    from random.Random(i)). 1% on top for float64 rounding of the sums."""
+    b = max(abs(x - y) / u for x, y, u in zip(ours, theirs, units))
+    chunk, n = min(1000, ITERS), len(ours)
+    moves = []
+    for i in range(ITERS // chunk):
+        rnd = random.Random(i)
+        for _ in range(chunk):
+            idx = rnd.choices(range(n), k=n)
+            p = math.exp(-sum(ours[j] for j in idx) / sum(units[j] for j in idx))
+            moves.append(b / math.log(2) if metric == "bits_per_byte" else p * math.exp(b) * math.expm1(b))
+    return 1.01 * math.sqrt(sum(x * x for x in moves) / (len(moves) - 1)) + 1e-12
 
 
 def _tolerance(ll: float) -> float:

@@ -11,8 +11,10 @@ context-parallel shards and tensor-parallel logits alike) are then each window's
 
 Batches are cut the same way on every rank and dealt round-robin over the data-parallel ranks (`shard`):
 every rank runs the same number of forward passes (FSDP's gathers and the pipeline's sends pair up), a rank
-short of one runs an empty batch. Each rank writes its windows' sums into one vector of every window, and one
-sum over the data-parallel and context-parallel ranks completes it.
+short of one runs an empty batch, and so does a rank whose batch could not be built (its error is raised after
+its last forward, so the other ranks are not left waiting in a collective; runner.py then has every rank agree
+that the task failed). Each rank writes its windows' sums into one vector of every window, and one sum over the
+data-parallel and context-parallel ranks completes it.
 """
 
 import math
@@ -127,17 +129,46 @@ def score_windows(windows: list[Window], forward_sums: ForwardSums, *, seq_len: 
     else:
         batches = group(windows, batch_size * seq_len)
     total = torch.zeros(len(windows), dtype=torch.float32, device=device)
+    error = None
     for rows in shard(batches, dp_rank, dp_degree):
-        if packed:
-            inputs, labels, n = batch_tensors(rows, windows, seq_len, batch_size, pad_id)
-        else:
-            inputs, labels, n = row_tensors(rows, windows, pad_id, row_multiple)
+        batch = None
+        if error is None:
+            try:
+                batch = _batch(rows, windows, seq_len, batch_size, pad_id, packed, row_multiple)
+            except Exception as e:  # noqa: BLE001 - this rank's failure, raised once its forwards have run
+                error = e
+        inputs, labels, n = batch or _blank(rows, windows, seq_len, batch_size, pad_id, packed, row_multiple)
         inputs = {k: v.to(device) for k, v in inputs.items()}
         sums = forward_sums(inputs, labels.to(device), n)
         ids = [i for row in rows for i in row]
-        if ids:
+        if ids and batch is not None:
             total[torch.tensor(ids, device=device)] += sums[0, :len(ids)].to(total.device)
+    if error is not None:
+        raise error
     return -reduce_sum(total).double().cpu()
+
+
+def _batch(rows, windows, seq_len, batch_size, pad_id, packed, row_multiple):
+    if packed:
+        return batch_tensors(rows, windows, seq_len, batch_size, pad_id)
+    return row_tensors(rows, windows, pad_id, row_multiple)
+
+
+def _blank(rows, windows, seq_len, batch_size, pad_id, packed, row_multiple):
+    """Padding of the shape `_batch` gives `rows`, with as many sources (tensor-parallel ranks run the same
+    shapes, pipeline stages sum [2, sources] vectors together), nothing scored: the forward a rank runs in place
+    of a batch it could not build."""
+    if packed:
+        shape = (batch_size, seq_len)
+    else:
+        length = max((len(windows[r[0]].tokens) for r in rows), default=1)
+        shape = (max(len(rows), 1), -(-length // row_multiple) * row_multiple)
+    tokens = torch.full(shape, pad_id, dtype=torch.long)
+    inputs = {"tokens": tokens, "source_ids": torch.zeros_like(tokens)}
+    if packed:
+        inputs["document_ids"] = torch.ones_like(tokens)
+        inputs["positions"] = torch.arange(shape[1]).expand(shape).contiguous()
+    return inputs, torch.full_like(tokens, IGNORE_INDEX), max(sum(len(row) for row in rows), 1)
 
 
 # ---- the harness's metrics ------------------------------------------------------------------------------
@@ -160,7 +191,7 @@ def request_loglikelihoods(reqs: TaskRequests, window_ll: torch.Tensor) -> list[
 def task_metrics(reqs: TaskRequests, lls: list[float]) -> dict[str, float]:
     """{metric: value, metric_stderr: value} as lm-evaluation-harness aggregates them: acc/acc_norm/acc_bytes
     means with the sample standard error; perplexity exp(-mean ll); word/byte perplexity exp(-sum ll / sum
-    words|bytes), bits_per_byte -sum ll / sum bytes / ln 2 (no stderr: the harness bootstraps those)."""
+    words|bytes), bits_per_byte -sum ll / sum bytes / ln 2 (their stderrs are bootstrapped: bootstrap.py)."""
     task = reqs.task
     out: dict[str, float] = {}
     if task.output_type == "multiple_choice":
