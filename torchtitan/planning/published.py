@@ -200,12 +200,19 @@ class PublishedRun:
     memory_gib: float | None = None
     """Reported peak memory per GPU (torchtitan: max reserved, GiB), where published."""
     assumed: str = ""
+    kv_repeated: bool = False
+    """The code of the run repeated k/v to the query heads before attention (torchtitan's Llama until 2025:
+    `repeat_kv` before `F.scaled_dot_product_attention`), so its ring CP gathered n_heads of k/v."""
 
     def predict(self) -> Candidate:
-        """The model's prediction for the layout as it ran, memory not judged (it ran)."""
+        """The model's prediction for the layout as it ran, memory not judged (it ran). CP is priced as the run
+        did it: ring attention (the only CP method torch had then; torchtitan's context_parallel), over the k/v
+        heads its attention received."""
+        shape = model_shape(self.model)
         roomy = dataclasses.replace(get_device(self.device), memory_bytes=float("inf"))
-        return evaluate(model_shape(self.model), self.layout, roomy, self.devices, self.seq_len,
-                        self.global_batch_size, network=self.network, features=self.features)
+        return evaluate(shape, self.layout, roomy, self.devices, self.seq_len, self.global_batch_size,
+                        network=self.network, features=self.features, cp_method=("ring", 0),
+                        cp_kv_heads=shape.n_heads if self.kv_repeated else None)
 
     @property
     def choices(self) -> tuple:
@@ -255,7 +262,8 @@ CORPUS = (
     # Table 2: Llama 3.1 8B, 8 GPUs, FSDP + CP + compile + Float8, local batch 1, full AC.
     *(PublishedRun(f"T2 8B 8 GPUs FSDP {8 // cp} CP {cp} seq {seq}", "8B", "H100-96GB", 8, seq, 8 // cp,
                    Layout(1, 8 // cp, cp, 1, 1, "full", 1), tps, f"{_DEC24}, Table 2 row FSDP {8 // cp}, CP {cp}",
-                   _F8, memory_gib=mem, assumed="global batch = local batch 1 x FSDP degree; bf16 all-gather")
+                   _F8, memory_gib=mem, assumed="global batch = local batch 1 x FSDP degree; bf16 all-gather",
+                   kv_repeated=True)
       for cp, seq, tps, mem in ((1, 32768, 3890, 83.9), (2, 65536, 2540, 84.2), (4, 131072, 1071, 84.0),
                                 (8, 262144, 548, 84.5))),
     # Table 3: Llama 3.1 8B, 128 GPUs, FSDP, local batch 2, global 256, selective (op) AC.
@@ -292,7 +300,8 @@ CORPUS = (
     *(PublishedRun(f"T6 405B 512 GPUs FSDP {8 // cp} CP {cp} seq {seq}", "405B", "H100-96GB", 512, seq, 8 * (8 // cp),
                    Layout(1, 8 // cp, cp, 8, 8, "full", 8, _tt_pp_default(8, 8), "1F1B"), tps,
                    f"{_DEC24}, Table 6 row FSDP {8 // cp}, CP {cp}", _F8_ALL, memory_gib=mem,
-                   assumed="global batch = local batch 8 x FSDP degree; 8 microbatches of 1; float8 all-gather")
+                   assumed="global batch = local batch 8 x FSDP degree; 8 microbatches of 1; float8 all-gather",
+                   kv_repeated=True)
       for cp, seq, tps, mem in ((1, 32768, 76, 75.3), (2, 65536, 47, 75.9), (4, 131072, 31, 77.1),
                                 (8, 262144, 16, 84.9))),
     # H200: Llama 3.1 8B, FSDP over 4 and 8 hosts.
