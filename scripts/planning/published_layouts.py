@@ -33,8 +33,8 @@ def corpus_table(runs) -> list[str]:
     for r in runs:
         c = r.predict()
         p = c.tokens_per_s_per_device
-        mem = f"{r.memory_gib:.1f} / {c.memory.allocator_reserved / 2**30:.1f} ({c.memory.allocator_reserved / 2**30 / r.memory_gib:.2f})" \
-            if r.memory_gib else "-"
+        est = c.memory.allocator_reserved / 2**30  # what torchtitan's tables quote: the allocator's max reserved
+        mem = f"{r.memory_gib:.1f} / {est:.1f} ({est / r.memory_gib:.2f})" if r.memory_gib else "-"
         split = "held out" if r in HELD_OUT else "training"
         rows.append(f"| {CORPUS.index(r)} | {split} | {r.name} | {r.layout.describe()} | {r.tokens_per_s:,.0f} | "
                     f"{p:,.0f} | {p / r.tokens_per_s:.2f} | {mem} | {r.source.split(':')[0]}; "

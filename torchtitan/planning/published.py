@@ -199,7 +199,8 @@ class PublishedRun:
     features: Features = Features()
     network: Network = FLAT_NETWORK
     memory_gib: float | None = None
-    """Reported peak memory per GPU (torchtitan: max reserved, GiB), where published."""
+    """Reported peak memory per GPU (torchtitan: max reserved, GiB), where published; compared with
+    MemoryEstimate.allocator_reserved."""
     assumed: str = ""
     kv_repeated: bool = False
     """The code of the run repeated k/v to the query heads before attention (torchtitan's Llama until 2025:
@@ -271,7 +272,8 @@ CORPUS = (
                                 (8, 262144, 548, 84.5))),
     # Table 3: Llama 3.1 8B, 128 GPUs, FSDP, local batch 2, global 256, selective (op) AC.
     PublishedRun("T3 8B 128 GPUs FSDP", "8B", "H100-96GB", 128, 8192, 256,
-                 Layout(1, 128, 1, 1, 1, "op_half_matmuls", 2), 5605, f"{_DEC24}, Table 3 row FSDP", _EAGER, memory_gib=67.0,
+                 Layout(1, 128, 1, 1, 1, "op_half_matmuls", 2), 5605, f"{_DEC24}, Table 3 row FSDP", _EAGER,
+                 memory_gib=67.0,
                  assumed=_OP_TT),
     PublishedRun("T3 8B 128 GPUs FSDP + compile", "8B", "H100-96GB", 128, 8192, 256,
                  Layout(1, 128, 1, 1, 1, "op_half_matmuls", 2), 6514, f"{_DEC24}, Table 3 row FSDP + torch.compile",
@@ -353,7 +355,8 @@ CORPUS = (
 the Llama 3 paper's 131K-sequence row (CP 16: its TFLOP/s -> tokens/s depends by ~40% on whether causal
 attention is counted half, which the paper does not say); torchtitan's async-TP benchmark of June 2025 (its
 numbers are an image); Megatron-LM's and MaxText's scaling tables (GPT blocks and TPUs: shapes and devices this
-model does not describe yet)."""
+model does not describe yet); NeMo's Megatron-Core table (a virtual-pipeline split torch cannot make, TP/CP
+overlap priced exposed here, AC not stated); MoE runs (no all-to-all in the step-time model)."""
 
 TRAINING = CORPUS[0::2]
 """The fitting rule, fixed before any prediction was looked at: every other run in corpus order, starting
