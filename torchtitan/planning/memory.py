@@ -198,7 +198,8 @@ class RankWork:
     loss_compiled: bool = False
     """The loss is compiled (GPU): inductor fuses the fp32 upcast, log-softmax and its backward into passes over
     the logits, keeping their log-sum-exp per token instead of the fp32 log-softmax and writing the gradient in
-    the logits' dtype (no fp32 gradients). Not measured on CPU here (the CPU bench runs the loss eager)."""
+    the logits' dtype (no fp32 gradients). Set for GPU ranks (the planner, the dry run's --device-type); CPU
+    estimates keep the eager loss's bytes, which bound inductor's CPU loss from above."""
     block_transient_bytes: int = 0
     """With a per-block plan: the largest a block holds during its own backward beyond what it kept (what
     recomputation rebuilds, offloaded groups read back). It comes after the loss's temporaries are freed, with
@@ -507,4 +508,5 @@ def rank_work(cfg, parallel_dims, grad_accum: int, *, blocks: int, holds_embeddi
         params_stay_gathered=pd.pp_enabled, pp_recv_buffers=recv, loss_chunk_tokens=chunk_tokens,
         cp_all_to_all=p.context_parallel_method != "ring",
         kv_heads_in_place=t.document_masking and not on_gpu and pd.cp == 1 and not compiles(cfg, "model"),
+        loss_compiled=on_gpu and compiles(cfg, "loss"),
     )
