@@ -111,13 +111,12 @@ def test_the_stored_constants_are_the_fit_on_the_training_half():
                                "CP_RING_STEP_OVERHEAD": CP_RING_STEP_OVERHEAD}
 
 
-HELD_OUT_MEMORY_MISSES = {
-    "T4 70B 256 GPUs FSDP 32 TP 8 + async TP", "T6 405B 512 GPUs FSDP 4 CP 2 seq 65536",
-    "T6 405B 512 GPUs FSDP 1 CP 8 seq 262144"}
-"""Held-out runs whose published memory the estimator misses by more than 10%, all under: the TP 8 + Float8 +
-compile runs of 70B and 405B hold 10-15 GiB more than estimated at every CP degree, their training twins (T4 2D,
-T5 1F1B, T6 CP 1 and 4) as much, so a term is missing, not noise; it was not identified without a GPU profile of
-that code (docs/planning.md, "Cases it still misses"). Named so that a change that fixes one or adds one shows."""
+HELD_OUT_MEMORY_MISSES = {"T6 405B 512 GPUs FSDP 4 CP 2 seq 65536", "T6 405B 512 GPUs FSDP 1 CP 8 seq 262144"}
+"""Held-out runs whose published memory the estimator misses by more than 10%, both under: the 405B runs with
+PP 8 x TP 8 + Float8 + async TP + compile hold 10-13 GiB more than estimated on their first pipeline stage at
+every CP degree, their training twins (T5 1F1B, T6 CP 1 and 4) as much, so a term is missing, not noise; it was
+not identified without a GPU profile of that code (docs/planning.md, "Cases it still misses"). Named so that a
+change that fixes one or adds one shows."""
 
 
 def test_held_out_runs_meet_the_issues_criteria():
@@ -348,8 +347,9 @@ def test_a_memory_budget_plans_each_layout_per_block(tmp_path, capsys):
         except MemoryError:  # selective AC does not fit this layout: is the plan faster than full AC?
             try:
                 full = evaluate(s, dataclasses.replace(uniform, ac="full"), H100, *args, budget_bytes=budget)
-            except MemoryError:  # nor does full AC: the plan offloads (full_offload keeps no block input)
-                assert {"offload", "full_offload"} & set(c.layout.block_plan), c.layout
+            except MemoryError:  # nor does full AC: some rank's plan offloads (full_offload keeps no block input);
+                # the layout records the first rank's choices, host_bytes the busiest rank's offloaded bytes
+                assert {"offload", "full_offload"} & set(c.layout.block_plan) or c.host_bytes > 0, c.layout
                 continue
             wins.append(c.time.total < full.time.total)
     assert wins and all(wins)

@@ -195,6 +195,10 @@ class RankWork:
     """Bytes all blocks keep for backward, all microbatches in flight together, when a per-block plan decides
     them (planning/memory_budget.py: keep, op, full, offload or full_offload per block); None = `ac`'s formula for every
     block."""
+    loss_parallel: bool = False
+    """The loss runs on vocabulary-sharded logits (TP's loss parallel). Eager, its backward (torch's
+    `_nll_loss_and_log_softmax_backward`) builds the one-hot update in a zeroed fp32 buffer and returns
+    (buffer + exp(log-softmax)) x grad: one fp32 logits-sized tensor more than the plain loss's backward holds."""
     loss_compiled: bool = False
     """The loss is compiled (GPU): inductor fuses the fp32 upcast, log-softmax and its backward into passes over
     the logits, keeping their log-sum-exp per token instead of the fp32 log-softmax and writing the gradient in
@@ -336,7 +340,7 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
     elif fused_loss:  # compiled: the logits and their gradient, both in the logits' dtype
         loss_temp = int(tokens * vocab_local * 2 * w.act_bytes)
     else:
-        loss_temp = int(tokens * vocab_local * (w.act_bytes + 2 * 4))
+        loss_temp = int(tokens * vocab_local * (w.act_bytes + (3 if w.loss_parallel else 2) * 4))
     loss_temp = loss_temp if w.holds_output else 0
     # FSDP: the current and the prefetched block's parameters gathered, and one block's unsharded gradient.
     fsdp_buffers = 0
@@ -509,4 +513,5 @@ def rank_work(cfg, parallel_dims, grad_accum: int, *, blocks: int, holds_embeddi
         cp_all_to_all=p.context_parallel_method != "ring",
         kv_heads_in_place=t.document_masking and not on_gpu and pd.cp == 1 and not compiles(cfg, "model"),
         loss_compiled=on_gpu and compiles(cfg, "loss"),
+        loss_parallel=pd.tp > 1 and not p.disable_loss_parallel,
     )

@@ -376,7 +376,7 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
             params_stay_gathered=L.pp > 1,
             pp_recv_buffers=pp_recv_buffer_count(n_mb, len(stages), "tok_embeddings" in names, "output" in names)
             if L.pp > 1 else 0,
-            loss_compiled=features.loss_compiled,
+            loss_compiled=features.loss_compiled, loss_parallel=L.tp > 1,
         )
         est = estimate_memory(shape, state, work)
         if L.ac == BUDGET_AC:
