@@ -11,8 +11,9 @@ torchtitan/planning/memory.py with the real parameter/optimizer bytes, without (
 since neither counter includes them.
 
 --compile and --float8 apply them the trainer's way (each block compiled after AC, the loss compiled;
-tensorwise Float8 linears, the output projection kept in bf16). The estimator models neither: these runs
-measure how far off it is with them, which is where it misses torchtitan's published GPU memory most
+tensorwise Float8 linears, the output projection kept in bf16). The estimator models the compiled loss
+(RankWork.loss_compiled: no fp32 log-softmax or fp32 gradients), not compile's fusions inside the blocks nor
+Float8: these runs measure how far off it is with them, which is where it misses torchtitan's published GPU memory most
 (docs/planning.md; on CPU, scripts/planning/bench_memory.py measures the same for compile).
 """
 
@@ -103,7 +104,7 @@ def main() -> None:
         buffers = sum(b.numel() * b.element_size() for b in model.buffers())
         est = estimate_memory(shape, StateBytes(params, params, optim, buffers),
                               RankWork(tokens_per_microbatch=a.batch * a.seq_len, blocks=a.layers, ac=name,
-                                       act_bytes=2))
+                                       act_bytes=2, loss_compiled=a.compile))
         with_overhead = est.peak * (1 + ALLOCATOR_OVERHEAD_GPU)
         g = 2**30
         print(f"| {name} | {allocated / g:.2f} | {est.peak / g:.2f} | {est.peak / allocated:.3f} | "

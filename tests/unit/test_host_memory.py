@@ -3,8 +3,8 @@ node beside the GPU memory and refuses a plan that exceeds it in one line; the l
 layouts; on CPU the pre-flight check refuses a plan whose ranks do not fit this machine's (or the given) RAM.
 
 The 405B case is docs/memory_budget.md's example: FSDP 128 x TP 2 on 256 H100s, a 60 GiB budget, whose plan
-sends 88 block inputs (full_offload) to pinned host memory: 88 x (8,192 tokens x 2 sequences x 16,384 dim x 2
-bytes / TP 2 = 0.25 GiB) = 22 GiB per GPU, x 8 GPUs per node = 176 GiB.
+sends 104 block inputs (full_offload) to pinned host memory: 104 x (8,192 tokens x 2 sequences x 16,384 dim x 2
+bytes / TP 2 = 0.25 GiB) = 26 GiB per GPU, x 8 GPUs per node = 208 GiB.
 """
 
 from torchtitan import dry_run as dry_run_entry
@@ -25,18 +25,18 @@ def test_405b_dry_run_names_host_memory_per_node_and_refuses_more_than_given(cap
     dry_run_entry.main(DRY_405B)
     out = capsys.readouterr().out
     plan = next(line for line in out.splitlines() if line.startswith("memory plan"))
-    assert "blocks 0-87 full_offload, 88-125 full" in plan
-    assert "GPU memory per rank 59.9 GiB, host memory per node: 176.0 GiB (22.00 GiB per rank of offloaded " \
+    assert "blocks 0-103 full_offload, 104-125 full" in plan
+    assert "GPU memory per rank 59.8 GiB, host memory per node: 208.0 GiB (26.00 GiB per rank of offloaded " \
            "activations x 8 ranks per node) (unchecked: give --memory.host_gib" in plan, plan
     assert "host memory than the node has" not in out
 
-    assert dry_run_entry.main(DRY_405B + ["--memory.host_gib", "175"]) == 1
+    assert dry_run_entry.main(DRY_405B + ["--memory.host_gib", "207"]) == 1
     errors = [line for line in capsys.readouterr().out.splitlines() if "host memory than the node has" in line]
     assert len(errors) == 1 and errors[0].startswith("error: the memory plan needs more host memory"), errors
-    assert "176.0 GiB" in errors[0] and "of 175.0 GiB (--memory.host_gib)" in errors[0]
+    assert "208.0 GiB" in errors[0] and "of 207.0 GiB (--memory.host_gib)" in errors[0]
     assert "--memory.plan_choices keep,op,full" in errors[0]  # the fix
 
-    dry_run_entry.main(DRY_405B + ["--memory.host_gib", "176"])  # exactly enough: no host error
+    dry_run_entry.main(DRY_405B + ["--memory.host_gib", "208"])  # exactly enough: no host error
     assert "host memory than the node has" not in capsys.readouterr().out
 
 
@@ -46,7 +46,7 @@ def test_planner_skips_layouts_that_exceed_the_node_ram():
     run = dict(shape=shape, device=device, devices=256, seq_len=8192, global_batch_size=256,
                model_parallel=frozenset({"tp"}), budget_bytes=60 * 2**30)
     free = plan_layouts(**run)
-    assert free.ranked[0].host_bytes == 22 * 2**30  # the example's #1: 88 inputs of 0.25 GiB
+    assert free.ranked[0].host_bytes == 26 * 2**30  # the example's #1: 104 inputs of 0.25 GiB
     limit = 128 * 2**30
     bounded = plan_layouts(**run, host_bytes=limit)
     assert bounded.dropped["does not fit host memory"] > 0

@@ -111,34 +111,32 @@ def test_the_stored_constants_are_the_fit_on_the_training_half():
                                "CP_RING_STEP_OVERHEAD": CP_RING_STEP_OVERHEAD}
 
 
-HELD_OUT_MISSES = {"T6 405B 512 GPUs FSDP 4 CP 2 seq 65536"}
-"""Held-out runs outside 15% (docs/planning.md, "Cases it still misses"): predicted x1.155."""
+HELD_OUT_MEMORY_MISSES = {"T6 405B 512 GPUs FSDP 4 CP 2 seq 65536", "T6 405B 512 GPUs FSDP 1 CP 8 seq 262144"}
+"""Held-out runs whose published memory the estimator misses by more than 10%, both under: the 405B runs with
+PP 8 x TP 8 + Float8 + async TP + compile hold 10-13 GiB more than estimated on their first pipeline stage at
+every CP degree, their training twins (T5 1F1B, T6 CP 1 and 4) as much, so a term is missing, not noise; it was
+not identified without a GPU profile of that code (docs/planning.md, "Cases it still misses"). Named so that a
+change that fixes one or adds one shows."""
 
 
-def test_held_out_runs_are_predicted_within_15_percent_median_within_10():
-    """The issue's target on the runs the fit never saw: every run within 15% of its published tokens/s/GPU and
-    the median within 10%; the one run that misses is named (HELD_OUT_MISSES) so that a change that fixes it or
-    adds another shows here. The interval the planner prints comes from these ratios (HELD_OUT_RATIO_RANGE)."""
+def test_held_out_runs_meet_the_issues_criteria():
+    """The issue's criteria on the runs the fit never saw (HELD_OUT: every other run of the corpus):
+    every run's predicted tokens/s/GPU within 15% of the published figure, the median within 10%, and peak
+    memory within 10% where published (the allocator's reserved bytes, what torchtitan logs) except the runs
+    HELD_OUT_MEMORY_MISSES names. The interval the planner prints comes from these ratios
+    (HELD_OUT_RATIO_RANGE). Pure arithmetic over 15 runs: well under a second."""
     ratios = {r.name: r.predict().tokens_per_s_per_device / r.tokens_per_s for r in HELD_OUT}
     for name, ratio in ratios.items():
         print(f"{name}: predicted / published {ratio:.3f}")
-    assert {n for n, x in ratios.items() if abs(x - 1) > 0.15} == HELD_OUT_MISSES
+    assert {n for n, x in ratios.items() if abs(x - 1) > 0.15} == set()
     assert statistics.median(abs(x - 1) for x in ratios.values()) <= min(0.10, HELD_OUT_MEDIAN_ERROR)
     lo, hi = HELD_OUT_RATIO_RANGE
     assert lo <= min(ratios.values()) and max(ratios.values()) <= hi
-    assert min(ratios.values()) - lo < 0.01 and hi - max(ratios.values()) < 0.02  # the range is not padded
-
-
-def test_held_out_memory_where_published():
-    """Peak memory against the held-out runs that report it (torchtitan: max reserved): the runs within 10% and
-    those outside are stated (docs/planning.md says why: compile, Float8 and allocator effects not modelled)."""
-    within = {r.name: abs(r.predict().memory.peak / 2**30 / r.memory_gib - 1) <= 0.10
-              for r in HELD_OUT if r.memory_gib}
-    print(within)
-    assert {n for n, ok in within.items() if not ok} == {
-        "T4 70B 256 GPUs FSDP 32 TP 8 + async TP", "T6 405B 512 GPUs FSDP 4 CP 2 seq 65536",
-        "T6 405B 512 GPUs FSDP 1 CP 8 seq 262144", "H200 8B 64 GPUs FSDP + compile + Float8",
-        "T3 8B 128 GPUs FSDP + compile + Float8"}
+    assert min(ratios.values()) - lo < 0.01 and hi - max(ratios.values()) < 0.01  # the range is not padded
+    memory = {r.name: r.predict().memory.allocator_reserved / 2**30 / r.memory_gib for r in HELD_OUT if r.memory_gib}
+    print(memory)
+    assert len(memory) == 10
+    assert {n for n, x in memory.items() if abs(x - 1) > 0.10} == HELD_OUT_MEMORY_MISSES
 
 
 def test_the_heaviest_pipeline_rank_decides_whether_a_layout_fits():
@@ -209,7 +207,7 @@ def test_cli_prints_top_layouts_and_one_line_errors(capsys):
     out = capsys.readouterr().out
     assert "#1 (fastest; " in out and "#2" in out and "data_parallel_shard_degree = " in out
     # each layout carries the interval the held-out runs give, and the published run at this setting is placed
-    assert "held-out predicted / published 0.92-1.16" in out and " tokens/s/device): " in out
+    assert "held-out predicted / published 0.92-1.14" in out and " tokens/s/device): " in out
     assert "published (T1 8B 8 GPUs FSDP; training): dp_shard 8" in out
     assert plan_main(["--flavor", "8B", "--devices", "8", "--seq-len", "8192", "--global-batch-size", "16",
                       "--device-type", "H1OO"]) == 2
@@ -349,8 +347,9 @@ def test_a_memory_budget_plans_each_layout_per_block(tmp_path, capsys):
         except MemoryError:  # selective AC does not fit this layout: is the plan faster than full AC?
             try:
                 full = evaluate(s, dataclasses.replace(uniform, ac="full"), H100, *args, budget_bytes=budget)
-            except MemoryError:  # nor does full AC: the plan offloads (full_offload keeps no block input)
-                assert {"offload", "full_offload"} & set(c.layout.block_plan), c.layout
+            except MemoryError:  # nor does full AC: some rank's plan offloads (full_offload keeps no block input);
+                # the layout records the first rank's choices, host_bytes the busiest rank's offloaded bytes
+                assert {"offload", "full_offload"} & set(c.layout.block_plan) or c.host_bytes > 0, c.layout
                 continue
             wins.append(c.time.total < full.time.total)
     assert wins and all(wins)

@@ -64,6 +64,7 @@ from torchtitan.tools.precision import DTYPE_NAMES, resolve_precision
 RUNTIME_BYTES_GPU = 2 * 2**30
 """CUDA context, NCCL's communicator buffers and cuBLAS workspaces per GPU, outside PyTorch's allocator;
 stated, not measured here."""
+RUNTIME_COMPONENT = "CUDA context and NCCL buffers"
 ALLOCATOR_OVERHEAD_GPU = 0.08
 """Reserved-but-unused fraction of PyTorch's CUDA caching allocator at peak, a typical figure for these
 transformer steps (fragmentation between differently sized blocks); stated, not measured here."""
@@ -194,6 +195,15 @@ class RankWork:
     """Bytes all blocks keep for backward, all microbatches in flight together, when a per-block plan decides
     them (planning/memory_budget.py: keep, op, full, offload or full_offload per block); None = `ac`'s formula for every
     block."""
+    loss_parallel: bool = False
+    """The loss runs on vocabulary-sharded logits (TP's loss parallel). Eager, its backward (torch's
+    `_nll_loss_and_log_softmax_backward`) builds the one-hot update in a zeroed fp32 buffer and returns
+    (buffer + exp(log-softmax)) x grad: one fp32 logits-sized tensor more than the plain loss's backward holds."""
+    loss_compiled: bool = False
+    """The loss is compiled (GPU): inductor fuses the fp32 upcast, log-softmax and its backward into passes over
+    the logits, keeping their log-sum-exp per token instead of the fp32 log-softmax and writing the gradient in
+    the logits' dtype (no fp32 gradients). Set for GPU ranks (the planner, the dry run's --device-type); CPU
+    estimates keep the eager loss's bytes, which bound inductor's CPU loss from above."""
     block_transient_bytes: int = 0
     """With a per-block plan: the largest a block holds during its own backward beyond what it kept (what
     recomputation rebuilds, offloaded groups read back). It comes after the loss's temporaries are freed, with
@@ -207,6 +217,13 @@ class MemoryEstimate:
     @property
     def peak(self) -> int:
         return sum(self.components.values())
+
+    @property
+    def allocator_reserved(self) -> int:
+        """The part of the peak PyTorch's caching allocator holds: what `torch.cuda.max_memory_reserved()` reports
+        and torchtitan logs as its memory ("max_reserved"), so what its published tables quote. The CUDA context,
+        NCCL's own buffers and the driver's are outside it (RUNTIME_BYTES_GPU)."""
+        return self.peak - self.components.get(RUNTIME_COMPONENT, 0)
 
     def table(self, capacity: float | None = None) -> str:
         rows = [f"  {k:<34} {v / 2**30:>9.3f} GiB" for k, v in self.components.items()]
@@ -304,8 +321,10 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
         blocks -= 2 * ((shape.q_dim or shape.dim) - shape.kv_dim) / w.tp * kept * w.blocks * w.act_bytes
     chunked = 0 < w.loss_chunk_tokens < tokens
     # The plain loss keeps the fp32 log-softmax (V per token) for backward; the chunked one keeps nothing.
+    fused_loss = w.loss_compiled and not chunked
     outside = (shape.dim * w.act_bytes / w.tp if w.holds_embedding else 0) + (
-        2 * shape.dim * w.act_bytes / w.tp + (0 if chunked else 4 * vocab_local) if w.holds_output else 0
+        2 * shape.dim * w.act_bytes / w.tp + (0 if chunked or fused_loss else 4 * vocab_local) if w.holds_output
+        else 0
     )
     if not w.holds_embedding and not w.pp_recv_buffers:
         outside += shape.dim * w.act_bytes / w.tp  # the stage input received from the previous stage
@@ -318,8 +337,10 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
     # fp32 upcast and fp32 softmax (the upcast is freed before the softmax is cast back).
     if chunked:
         loss_temp = int(vocab_local * (2 * tokens * w.act_bytes + w.loss_chunk_tokens * 2 * 4))
+    elif fused_loss:  # compiled: the logits and their gradient, both in the logits' dtype
+        loss_temp = int(tokens * vocab_local * 2 * w.act_bytes)
     else:
-        loss_temp = int(tokens * vocab_local * (w.act_bytes + 2 * 4))
+        loss_temp = int(tokens * vocab_local * (w.act_bytes + (3 if w.loss_parallel else 2) * 4))
     loss_temp = loss_temp if w.holds_output else 0
     # FSDP: the current and the prefetched block's parameters gathered, and one block's unsharded gradient.
     fsdp_buffers = 0
@@ -361,6 +382,16 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
         during = w.block_activation_bytes + w.block_transient_bytes + grads
         at_start = activations + loss_temp + c["gradients"] + c.get("FSDP unsharded gradients", 0)
         c["block backward (beyond the above)"] = max(0, during - at_start)
+    elif w.block_activation_bytes is None and (w.ac == "full" or w.ac.isdigit()) and w.blocks:
+        # The same moment under full AC (every block, or every k-th): the block being differentiated replays its
+        # forward first, so one microbatch's activations of a block without AC live beside everything kept (its
+        # own input is among those), with every gradient already made (the unsharded ones under FSDP with
+        # several microbatches; all of them at the first block).
+        grads = c.get("FSDP unsharded gradients", state.grads)
+        replay = int(tokens * (block_elems_per_token(shape, "none", w.tp) - shape.dim / w.tp) * w.act_bytes)
+        during = activations + replay + grads
+        at_start = activations + loss_temp + c["gradients"] + c.get("FSDP unsharded gradients", 0)
+        c["block backward (beyond the above)"] = max(0, during - at_start)
     # The optimizer step runs after backward: activations are gone and every gradient is live. Its
     # workspace counts only as far as it takes the step above the forward/backward peak.
     if state.step_workspace:
@@ -368,7 +399,7 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
         c[MUON_STEP_COMPONENT] = max(0, at_step - sum(c.values()))
     total = sum(c.values())
     c["allocator overhead"] = int(ALLOCATOR_OVERHEAD_GPU * total) if w.on_gpu else 0
-    c["CUDA context and NCCL buffers"] = RUNTIME_BYTES_GPU if w.on_gpu else 0
+    c[RUNTIME_COMPONENT] = RUNTIME_BYTES_GPU if w.on_gpu else 0
     return MemoryEstimate(c)
 
 
@@ -481,4 +512,6 @@ def rank_work(cfg, parallel_dims, grad_accum: int, *, blocks: int, holds_embeddi
         params_stay_gathered=pd.pp_enabled, pp_recv_buffers=recv, loss_chunk_tokens=chunk_tokens,
         cp_all_to_all=p.context_parallel_method != "ring",
         kv_heads_in_place=t.document_masking and not on_gpu and pd.cp == 1 and not compiles(cfg, "model"),
+        loss_compiled=on_gpu and compiles(cfg, "loss"),
+        loss_parallel=pd.tp > 1 and not p.disable_loss_parallel,
     )

@@ -86,12 +86,21 @@ class Features:
     """--parallelism.enable_async_tensor_parallel (with --compile.enable)."""
     compile: bool = False
     """--compile.enable (model and loss). Float8 and async TP imply it (the recipe turns it on for them)."""
+    eager_loss: bool = False
+    """The loss stays eager under compile: torchtitan's train.py of late 2024 (the Dec 2024 benchmarks) had its
+    loss compile commented out ("compiling loss function causes CUDA errors"); its 2025 `build_cross_entropy_loss`
+    and this repository compile it. Only published runs set it."""
 
     @property
     def compiled(self) -> bool:
         """Whether the model runs compiled: asked for, or implied by Float8 (async TP implies it only with TP,
         and evaluate adds it there)."""
         return self.compile or self.float8
+
+    @property
+    def loss_compiled(self) -> bool:
+        """Whether the loss runs compiled: fused into one pass over the logits that keeps no fp32 copy."""
+        return self.compiled and not self.eager_loss
 
     def __post_init__(self):
         if self.float8_all_gather and not self.float8:
@@ -240,7 +249,7 @@ def module_seconds_per_microbatch(shape: ModelShape, device: Device, seq_len: in
     block = sum(block_seconds(device, b, tokens, seq_len, tp, cp, ac, features.compiled, features.float8,
                               features.float8_all_gather).values())
     d = {"tok_embeddings": 0.0, "norm": 0.0,
-         "output": output_seconds(device, shape.dim, shape.vocab, tokens, tp, cp, features.compiled)}
+         "output": output_seconds(device, shape.dim, shape.vocab, tokens, tp, cp, features.loss_compiled)}
     d.update({f"layers.{i}": block for i in range(shape.n_layers)})
     return d
 
@@ -288,14 +297,18 @@ def _budget_plan(shape: ModelShape, state: StateBytes, work: RankWork, limit: fl
 def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, seq_len: int,
              global_batch_size: int, mfu: float | None = None, network: Network = FLAT_NETWORK,
              features: Features = Features(), memory_headroom: float = 0.0, budget_bytes: float = 0.0,
-             offload_bandwidth: float = OFFLOAD_BANDWIDTH_CUDA * 1e9, host_bytes: float = 0.0) -> Candidate:
+             offload_bandwidth: float = OFFLOAD_BANDWIDTH_CUDA * 1e9, host_bytes: float = 0.0,
+             cp_method: tuple[str, int] | None = None, cp_kv_heads: int | None = None) -> Candidate:
     """Memory and step time of one layout; raises LayoutError when the layout cannot run and MemoryError
     when its estimated peak exceeds the device's memory less `memory_headroom` (a fraction kept free), or
     `budget_bytes` (--memory-budget-gib) when that is lower. Layout.ac == "budget": the blocks' choices are
     the memory-budget planner's for this rank (offload priced at `offload_bandwidth` bytes/s); with
     `host_bytes` (a node's RAM, --host-gib; 0 = unchecked), HostMemoryError when the pinned host memory its
     offloaded blocks fill, x the device's GPUs per node, exceeds it. `mfu`: the fraction of the bf16 peak large
-    matmuls reach, instead of the device's (Device.gemm_eff)."""
+    matmuls reach, instead of the device's (Device.gemm_eff). `cp_method` ((method, a2a degree)): the CP method
+    a run used, instead of the fastest that can run (a published run is priced as it ran); `cp_kv_heads`: the
+    k/v heads the attention receives, instead of the model's (torchtitan before 2025 repeated k/v to the query
+    heads before SDPA, so its ring CP moved n_heads of them)."""
     L = layout
     if mfu is not None:
         device = dataclasses.replace(device, gemm_eff=mfu)
@@ -363,6 +376,7 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
             params_stay_gathered=L.pp > 1,
             pp_recv_buffers=pp_recv_buffer_count(n_mb, len(stages), "tok_embeddings" in names, "output" in names)
             if L.pp > 1 else 0,
+            loss_compiled=features.loss_compiled, loss_parallel=L.tp > 1,
         )
         est = estimate_memory(shape, state, work)
         if L.ac == BUDGET_AC:
@@ -451,10 +465,12 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
         exposed["TP"] = blocks_per_rank * passes * comm
     if L.cp > 1:
         # The CP method is the planner's pick for this network: the fastest that can run (planning/cp_comm.py).
+        kv_heads = cp_kv_heads or shape.kv_dim // head_dim
         cp_times = {opt: cp_block_time(device, network, *opt, cp=L.cp, tp=L.tp, tokens=tokens_mb,
-                                       n_heads=shape.n_heads, kv_heads=shape.kv_dim // head_dim,
+                                       n_heads=shape.n_heads, kv_heads=kv_heads,
                                        head_dim=head_dim, act_bytes=ACT_BYTES)
-                    for opt in cp_options(L.cp, L.tp, shape.n_heads, device.gpus_per_node)}
+                    for opt in ([cp_method] if cp_method else
+                                cp_options(L.cp, L.tp, shape.n_heads, device.gpus_per_node))}
         (method, a2a), per_block = min(cp_times.items(), key=lambda kv: kv[1])
         layout = dataclasses.replace(L, cp_method=method, cp_a2a_degree=a2a)
         exposed["CP"] = blocks_per_rank * passes * per_block

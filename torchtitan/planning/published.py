@@ -26,7 +26,7 @@ from torchtitan.planning.planner import (
 TIE = 0.05
 """Layouts whose predicted step times differ by less than this fraction are a tie: below what the model
 resolves. The held-out median error is HELD_OUT_MEDIAN_ERROR; the ratios of published pairs that differ in
-one choice (single_choice_pairs) are predicted within ~7% (compile: x1.23 for x1.16 published)."""
+one choice (single_choice_pairs) are predicted within ~6% (compile: x1.22 for x1.16 published)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +74,12 @@ PUBLISHED = (
               "H100-96GB"),
     Published("Llama 3.1 70B, 256 H100", "70B", 256, 8192, 512, 8, 1, 1, 829,
               f"{_TT} Table 4: FSDP 32 x TP 8, local batch 16, global 512, full AC, compile + Float8 (the 70B "
-              "recipe of the time: bf16 all-gather); with async TP 876", "H100-96GB", features=Features(float8=True)),
+              "recipe of the time: bf16 all-gather); with async TP 876", "H100-96GB",
+              features=Features(float8=True, eager_loss=True)),
     Published("Llama 3.1 405B, 512 H100", "405B", 512, 8192, 256, 8, 8, 1, 128,
               f"{_TT} Table 5: FSDP 8 x TP 8 x PP 8, local batch 32, global 256, full AC, compile + Float8 + async "
               "TP (the 405B recipe of the time: float8 all-gather); Interleaved 1F1B 128 (1F1B: 100)", "H100-96GB",
-              features=Features(float8=True, float8_all_gather=True, async_tp=True)),
+              features=Features(float8=True, float8_all_gather=True, async_tp=True, eager_loss=True)),
     Published("Llama 3 405B, 16K H100", "405B", 16384, 8192, 2048, 8, 16, 1,
               400e12 / flops_per_token(_405B, 8192), f"{_LLAMA3}: 400 TFLOP/s/GPU at TP 8, CP 1, PP 16, DP 128",
               "H100-80GB", LLAMA3_RDMA_CLUSTER),
@@ -198,14 +199,22 @@ class PublishedRun:
     features: Features = Features()
     network: Network = FLAT_NETWORK
     memory_gib: float | None = None
-    """Reported peak memory per GPU (torchtitan: max reserved, GiB), where published."""
+    """Reported peak memory per GPU (torchtitan: max reserved, GiB), where published; compared with
+    MemoryEstimate.allocator_reserved."""
     assumed: str = ""
+    kv_repeated: bool = False
+    """The code of the run repeated k/v to the query heads before attention (torchtitan's Llama until 2025:
+    `repeat_kv` before `F.scaled_dot_product_attention`), so its ring CP gathered n_heads of k/v."""
 
     def predict(self) -> Candidate:
-        """The model's prediction for the layout as it ran, memory not judged (it ran)."""
+        """The model's prediction for the layout as it ran, memory not judged (it ran). CP is priced as the run
+        did it: ring attention (the only CP method torch had then; torchtitan's context_parallel), over the k/v
+        heads its attention received."""
+        shape = model_shape(self.model)
         roomy = dataclasses.replace(get_device(self.device), memory_bytes=float("inf"))
-        return evaluate(model_shape(self.model), self.layout, roomy, self.devices, self.seq_len,
-                        self.global_batch_size, network=self.network, features=self.features)
+        return evaluate(shape, self.layout, roomy, self.devices, self.seq_len, self.global_batch_size,
+                        network=self.network, features=self.features, cp_method=("ring", 0),
+                        cp_kv_heads=shape.n_heads if self.kv_repeated else None)
 
     @property
     def choices(self) -> tuple:
@@ -229,10 +238,12 @@ _A100 = ("torchtitan docs/performance.md (2024 version, github.com/pytorch/torch
          "no compile, no Float8")
 _A100_NET = "the host network is not stated: 200 Gb/s per GPU (hardware.py A100) assumed"
 _OP_TT = ("torchtitan's op SAC of the time recomputes every other matmul (op_half_matmuls)")
-_COMPILE = Features(compile=True)
-_F8 = Features(float8=True, compile=True)
-_F8_ATP = Features(float8=True, async_tp=True, compile=True)
-_F8_ALL = Features(float8=True, float8_all_gather=True, async_tp=True, compile=True)
+# torchtitan's train.py of Dec 2024 left the loss eager under --training.compile (Features.eager_loss).
+_EAGER = Features(eager_loss=True)
+_COMPILE = Features(compile=True, eager_loss=True)
+_F8 = Features(float8=True, compile=True, eager_loss=True)
+_F8_ATP = Features(float8=True, async_tp=True, compile=True, eager_loss=True)
+_F8_ALL = Features(float8=True, float8_all_gather=True, async_tp=True, compile=True, eager_loss=True)
 
 
 def _tt_pp_default(local_batch: int, pp: int) -> int:
@@ -244,7 +255,7 @@ def _tt_pp_default(local_batch: int, pp: int) -> int:
 CORPUS = (
     # Table 1: Llama 3.1 8B, 8 GPUs, FSDP, local batch 2, global 16, selective (op) AC.
     PublishedRun("T1 8B 8 GPUs FSDP", "8B", "H100-96GB", 8, 8192, 16, Layout(1, 8, 1, 1, 1, "op_half_matmuls", 2),
-                 5762, f"{_DEC24}, Table 1 row FSDP", memory_gib=82.4, assumed=_OP_TT),
+                 5762, f"{_DEC24}, Table 1 row FSDP", _EAGER, memory_gib=82.4, assumed=_OP_TT),
     PublishedRun("T1 8B 8 GPUs FSDP + compile", "8B", "H100-96GB", 8, 8192, 16,
                  Layout(1, 8, 1, 1, 1, "op_half_matmuls", 2), 6667, f"{_DEC24}, Table 1 row FSDP + torch.compile",
                  _COMPILE, memory_gib=77.0, assumed=_OP_TT),
@@ -255,12 +266,14 @@ CORPUS = (
     # Table 2: Llama 3.1 8B, 8 GPUs, FSDP + CP + compile + Float8, local batch 1, full AC.
     *(PublishedRun(f"T2 8B 8 GPUs FSDP {8 // cp} CP {cp} seq {seq}", "8B", "H100-96GB", 8, seq, 8 // cp,
                    Layout(1, 8 // cp, cp, 1, 1, "full", 1), tps, f"{_DEC24}, Table 2 row FSDP {8 // cp}, CP {cp}",
-                   _F8, memory_gib=mem, assumed="global batch = local batch 1 x FSDP degree; bf16 all-gather")
+                   _F8, memory_gib=mem, assumed="global batch = local batch 1 x FSDP degree; bf16 all-gather",
+                   kv_repeated=True)
       for cp, seq, tps, mem in ((1, 32768, 3890, 83.9), (2, 65536, 2540, 84.2), (4, 131072, 1071, 84.0),
                                 (8, 262144, 548, 84.5))),
     # Table 3: Llama 3.1 8B, 128 GPUs, FSDP, local batch 2, global 256, selective (op) AC.
     PublishedRun("T3 8B 128 GPUs FSDP", "8B", "H100-96GB", 128, 8192, 256,
-                 Layout(1, 128, 1, 1, 1, "op_half_matmuls", 2), 5605, f"{_DEC24}, Table 3 row FSDP", memory_gib=67.0,
+                 Layout(1, 128, 1, 1, 1, "op_half_matmuls", 2), 5605, f"{_DEC24}, Table 3 row FSDP", _EAGER,
+                 memory_gib=67.0,
                  assumed=_OP_TT),
     PublishedRun("T3 8B 128 GPUs FSDP + compile", "8B", "H100-96GB", 128, 8192, 256,
                  Layout(1, 128, 1, 1, 1, "op_half_matmuls", 2), 6514, f"{_DEC24}, Table 3 row FSDP + torch.compile",
@@ -292,7 +305,8 @@ CORPUS = (
     *(PublishedRun(f"T6 405B 512 GPUs FSDP {8 // cp} CP {cp} seq {seq}", "405B", "H100-96GB", 512, seq, 8 * (8 // cp),
                    Layout(1, 8 // cp, cp, 8, 8, "full", 8, _tt_pp_default(8, 8), "1F1B"), tps,
                    f"{_DEC24}, Table 6 row FSDP {8 // cp}, CP {cp}", _F8_ALL, memory_gib=mem,
-                   assumed="global batch = local batch 8 x FSDP degree; 8 microbatches of 1; float8 all-gather")
+                   assumed="global batch = local batch 8 x FSDP degree; 8 microbatches of 1; float8 all-gather",
+                   kv_repeated=True)
       for cp, seq, tps, mem in ((1, 32768, 76, 75.3), (2, 65536, 47, 75.9), (4, 131072, 31, 77.1),
                                 (8, 262144, 16, 84.9))),
     # H200: Llama 3.1 8B, FSDP over 4 and 8 hosts.
@@ -341,7 +355,8 @@ CORPUS = (
 the Llama 3 paper's 131K-sequence row (CP 16: its TFLOP/s -> tokens/s depends by ~40% on whether causal
 attention is counted half, which the paper does not say); torchtitan's async-TP benchmark of June 2025 (its
 numbers are an image); Megatron-LM's and MaxText's scaling tables (GPT blocks and TPUs: shapes and devices this
-model does not describe yet)."""
+model does not describe yet); NeMo's Megatron-Core table (a virtual-pipeline split torch cannot make, TP/CP
+overlap priced exposed here, AC not stated); MoE runs (no all-to-all in the step-time model)."""
 
 TRAINING = CORPUS[0::2]
 """The fitting rule, fixed before any prediction was looked at: every other run in corpus order, starting
@@ -421,9 +436,9 @@ def single_choice_pairs(runs=CORPUS) -> list[tuple[PublishedRun, PublishedRun, s
     return pairs
 
 
-HELD_OUT_RATIO_RANGE = (0.92, 1.16)
+HELD_OUT_RATIO_RANGE = (0.92, 1.14)
 """Predicted / published tokens/s over HELD_OUT, rounded outward to 0.01 (tests/unit/test_planner.py checks it
-against the corpus): a prediction P stands for a published figure in [P / 1.16, P / 0.92]."""
+against the corpus): a prediction P stands for a published figure in [P / 1.14, P / 0.92]."""
 HELD_OUT_MEDIAN_ERROR = 0.05
 """Median |predicted / published - 1| over HELD_OUT, rounded up (checked by the same test)."""
 

@@ -107,7 +107,7 @@ TRAINING_KERNEL_EFF = 0.85
 """Fraction of the microbenchmark rates (Device.gemm_eff, attn_eff) that matmuls and attention keep inside a
 training step: caches cold after other kernels, backward's transposed GEMMs, streams shared with collectives.
 FITTED (published.fit_constants) on the full-power devices' runs of published.TRAINING without CP."""
-CP_RING_STEP_OVERHEAD = 0.06
+CP_RING_STEP_OVERHEAD = 0.05
 """Attention under ring CP runs at 1 / (1 + this x (cp - 1)) of its unsplit rate: each of the 2 x cp chunk
 pairs is its own flash kernel (fwd and bwd) whose outputs and log-sum-exps merge in fp32, and the exchange of
 the next chunk shares the SMs. FITTED (published.fit_constants) on the CP runs of published.TRAINING."""
