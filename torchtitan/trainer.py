@@ -101,10 +101,12 @@ class Trainer:
         if precision.emulated and self.rank == 0:
             logger.warning(emulation_warning(precision, self.device))
         self.mesh = pd.build_mesh(self.device.type) if self.world_size > 1 else None
-        self.dp_rank, self.dp_degree = pd.coordinate("dp") if self.mesh else (0, 1)
+        # Validation and evaluation are summed over this process group's dp ranks alone (_reduce_over), so
+        # they deal their batches over those ranks: every fault-tolerant replica group scores the whole split.
+        self.group_dp = pd.coordinate("dp") if self.mesh else (0, 1)
         self.dp_rank, self.dp_degree, self.global_batch_size = fault_tolerance.data_coordinate(
-            cfg.fault_tolerance, self.dp_rank, self.dp_degree, self.global_batch_size
-        )  # fault-tolerant replica groups split the data among them
+            cfg.fault_tolerance, *self.group_dp, self.global_batch_size
+        )  # fault-tolerant replica groups split the training data among them
         seed = dist_utils.set_determinism(cfg.debug, self.device)
 
         # ---- data --------------------------------------------------------------------------------------
@@ -193,13 +195,14 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------------
     def _build_dataloader(self, split: str, local_batch_size: int, infinite: bool):
-        gbs = self.global_batch_size if split == "train" else local_batch_size * self.dp_degree
+        dp_rank, dp_degree = (self.dp_rank, self.dp_degree) if split == "train" else self.group_dp
+        gbs = self.global_batch_size if split == "train" else local_batch_size * dp_degree
         return self.spec.build_dataloader_fn(
             tokenizer=self.tokenizer,
             job_config=self.cfg,
             split=split,
-            dp_rank=self.dp_rank,
-            dp_degree=self.dp_degree,
+            dp_rank=dp_rank,
+            dp_degree=dp_degree,
             global_batch_size=gbs,
             local_batch_size=local_batch_size,
             infinite=infinite,
@@ -390,7 +393,7 @@ class Trainer:
             m.eval()
         try:
             pd = self.parallel_dims  # pipeline stages and cp shards need rows of exactly seq_len: packed
-            metrics = self.evaluator.run(forward_sums, self.dp_rank, self.dp_degree,
+            metrics = self.evaluator.run(forward_sums, *self.group_dp,
                                          lambda x: self._reduce_over(x, "dp_cp"), self.device,
                                          packed=pd.pp_enabled or pd.cp_enabled, row_multiple=pd.tp)
         finally:

@@ -32,8 +32,13 @@ pytestmark = [pytest.mark.distributed, pytest.mark.e2e]
 STEPS = 25
 
 
+# The shipped task's first 6 documents (24 requests) fit the 32-token window; both groups score all of them at the
+# last step, so equal weights must give equal scores (a group that scored only its data shard would not).
+EVAL = ["--eval.enable", "--eval.tasks", "stdlib_next_line", "--eval.limit", "6", "--eval.freq", "1000"]
+
+
 def _group(replica_id: int, folder: str, faults: list[dict], lighthouse: str, steps: int = STEPS,
-           groups: int = 2, store_port: int | None = None) -> subprocess.Popen:
+           groups: int = 2, store_port: int | None = None, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     """One replica group of one rank: under the restart supervisor and torchrun, or, given the port of a TCPStore
     the caller hosts (torchft's Manager needs one), as a bare process (cheaper: two fewer interpreters)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHFT_LIGHTHOUSE": lighthouse,
@@ -50,7 +55,7 @@ def _group(replica_id: int, folder: str, faults: list[dict], lighthouse: str, st
            "--debug.deterministic", "--checkpoint.enable", "--checkpoint.interval", "1000",
            "--fault_tolerance.enable", "--fault_tolerance.replica_id", str(replica_id),
            "--fault_tolerance.group_size", str(groups), "--fault_tolerance.timeout_seconds", "5",
-           "--guard.replica_check_interval", "5", "--job.dump_folder", folder]
+           "--guard.replica_check_interval", "5", "--job.dump_folder", folder, *extra]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -66,8 +71,9 @@ def test_replica_group_dies_and_rejoins(tmp_path):
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
     try:
-        g0 = _group(0, str(tmp_path / "g0"), [{"kind": "sleep", "seconds": 1.2}], lighthouse.address())
-        g1 = _group(1, str(tmp_path / "g1"), [{"kind": "kill_rank", "step": 4, "attempt": 0}], lighthouse.address())
+        g0 = _group(0, str(tmp_path / "g0"), [{"kind": "sleep", "seconds": 1.2}], lighthouse.address(), extra=EVAL)
+        g1 = _group(1, str(tmp_path / "g1"), [{"kind": "kill_rank", "step": 4, "attempt": 0}], lighthouse.address(),
+                    extra=EVAL)
         out1, _ = g1.communicate(timeout=400)
         out0, _ = g0.communicate(timeout=400)
     finally:
@@ -88,6 +94,11 @@ def test_replica_group_dies_and_rejoins(tmp_path):
     assert w0.keys() == w1.keys()
     for k in w0:
         assert torch.equal(w0[k], w1[k]), f"{k} differs between the replica groups"
+    scores = [{k: v for k, v in m.items() if k.startswith("eval/") and not k.endswith("/seconds")}
+              for g in ("g0", "g1") for m in read_metrics(str(tmp_path / g)) if m["step"] == STEPS]
+    scores = [m for m in scores if m]
+    assert len(scores) == 2 and scores[0]["eval/stdlib_next_line/requests"] == 24, scores
+    assert scores[0] == scores[1], "equal weights, the same task: each group must score all of it"
 
 
 def test_flipped_bit_in_one_group_is_named(tmp_path):
