@@ -1,8 +1,10 @@
 """Evaluation in the loop scores the same under FSDP 2, TP 2, PP 2 and CP 2 as in one process.
 
 One training step at learning rate 0 (the weights stay the seed's, the same in every layout), then the [eval]
-pass at the last step: the shipped multiple-choice task (8 documents, 32 requests) and a rolling perplexity task
-whose documents span several 64-token windows, packed 4 rows to a batch. Every request's log-likelihood (read
+pass at the last step: the shipped multiple-choice task (8 documents, 32 requests), a rolling perplexity task
+whose documents span several 64-token windows, packed 4 rows to a batch, and an ARC-style task whose choices
+are single letters (4 documents, 16 requests read from 4 rows: positions with 4 label slots through the
+pipeline's targets, the context-parallel shards and loss parallel). Every request's log-likelihood (read
 from rank 0's evaluator) and every logged metric must equal the one-process run's within 1e-5 relative: the
 layouts change only the order of float32 sums (FSDP and PP none, TP the row-parallel matmuls' partial sums, CP
 the ring's log-sum-exp merges and the sum of the two shards' per-request sums), ~1e-7 relative per window.
@@ -38,6 +40,17 @@ def _rolling_task(folder) -> str:
     path = folder / "rolling.yaml"
     path.write_text("task: rolling\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: docs.jsonl\n"
                     "output_type: loglikelihood_rolling\ntest_split: test\ndoc_to_target: text\n")
+    return str(path)
+
+
+def _letters_task(folder) -> str:
+    docs = [{"q": f"Question {i}: which letter follows {'ABCD'[i]}?\nAnswer:", "choices": list("ABCD"), "label": 0}
+            for i in range(4)]
+    (folder / "letters.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    path = folder / "letters.yaml"
+    path.write_text("task: letters\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: letters.jsonl\n"
+                    "output_type: multiple_choice\ntest_split: test\ndoc_to_text: q\ndoc_to_target: label\n"
+                    "doc_to_choice: choices\n")
     return str(path)
 
 
@@ -81,9 +94,10 @@ def _differences(ref, got) -> list[str]:
 
 
 def test_eval_scores_equal_single_process_under_every_layout(tmp_path):
-    task = _rolling_task(tmp_path)
+    task = f"{_rolling_task(tmp_path)},{_letters_task(tmp_path)}"
     reference = _run(1, _args(task), tmp_path / "single")
     assert reference[0]["eval/stdlib_next_line/requests"] == 32 and reference[0]["eval/rolling/requests"] == 3
+    assert reference[0]["eval/letters/requests"] == 16 and reference[0]["eval/letters/rows"] == 4
     failures = {}
     for name, layout in LAYOUTS.items():
         bad = _differences(reference, _run(2, _args(task) + layout, tmp_path / name))
