@@ -30,15 +30,16 @@ def build_task_requests(eval_cfg, tokenizer, max_length: int) -> list[TaskReques
     ]
 
 
-def plain_forward_sums(model) -> ForwardSums:
+def plain_forward_sums(model, scored_logits_only: bool = True) -> ForwardSums:
     """The per-window sums of a whole model in one process (the entry point's forward; the trainer's is its
     validation forward, whatever the layout). The output head (the model's `output` module) projects only
     the positions that carry a label: a row's context needs no logits, and the head is a tenth of the debug
-    model's FLOPs (a fifth of a 1B model's at a 128k vocabulary). Per position the same computation."""
+    model's FLOPs (a fifth of a 1B model's at a 128k vocabulary). Per position the same computation.
+    `scored_logits_only=False`: every position's logits (as the trainer's forward; a benchmark's baseline)."""
     from torchtitan.components.loss import IGNORE_INDEX, per_source_loss_sums, pop_source_ids
     from torchtitan.protocols.model import as_model_output, split_inputs
 
-    head = getattr(model, "output", None)
+    head = getattr(model, "output", None) if scored_logits_only else None
 
     @torch.no_grad()
     def forward_sums(inputs, labels, num_sources):
