@@ -23,6 +23,7 @@ from torchtitan.tools import storage
 from torchtitan.components.checkpoint import manager as ckpt
 from torchtitan.components.loss import (
     IGNORE_INDEX,
+    first_label_slot,
     loss_value,
     mtp_metrics,
     per_source_loss_sums,
@@ -351,7 +352,7 @@ class Trainer:
                 return self.pipeline.eval(inputs, labels, source_ids, n)
             logits = self._forward(inputs).logits
             sums = None if source_ids is None else per_source_loss_sums(logits, labels, source_ids, n)
-            return loss_value(self.loss_fn(logits, labels)), sums
+            return loss_value(self.loss_fn(logits, first_label_slot(labels))), sums
 
     def validate(self, step: int) -> dict[str, float]:
         """The spec's validator over the validation split; a mixture adds validation/loss/<source>."""

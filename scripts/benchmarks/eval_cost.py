@@ -1,15 +1,20 @@
 """What an evaluation of 1,000 requests costs at the debug shape, against lm-evaluation-harness on the same CPU.
 
-    python scripts/benchmarks/eval_cost.py [--requests 1000] [--harness-batch 32] [--ranks 2] [--threads N] [--rounds 3]
+    python scripts/benchmarks/eval_cost.py [--requests 1000] [--harness-batch 32] [--ranks 2] [--threads N] [--rounds 5]
 
 The debug model (train_configs/debug_model.toml: llama3 debugmodel, seq_len 256, float32, random init) is
 written as a Hugging Face folder; 1,000 multiple-choice requests (250 documents x 4 lines, the shipped task's
 recipe over the training split's docstring lines) are scored
-- in one process, alternating --rounds times on the same threads (every core, or --threads): torchtitan's
-  evaluator (the model loaded from the folder as python -m torchtitan.eval loads it; batches of 8 x 256 tokens)
-  and lm_eval's HFLM.loglikelihood on the same (context, continuation) pairs, batch --harness-batch;
+- in one process, alternating --rounds times on the same threads (every core, or --threads), both in float32:
+  torchtitan's evaluator (the model loaded from the folder as python -m torchtitan.eval loads it, its forward;
+  batches of eval.local_batch_size x 256 tokens) and lm_eval's HFLM.loglikelihood (dtype float32, its default
+  logits cache that reads requests with one input row from one forward) on the same (context,
+  continuation) pairs, batch --harness-batch; and ours again with the logits of every position (the
+  trainer's forward computes them; the entry point's projects the labelled positions only);
 - then by python -m torchtitan.eval under torchrun at each of --ranks processes (cores / N threads each).
-Printed: seconds of scoring (model loading excluded), ms per request, ranks x seconds.
+Printed: the CPU (model name, native bf16 or not), wall and process-CPU seconds of scoring (model loading
+excluded) per round, the minimum and median, ms per request, the ratios ours / the harness's (the minima: on a
+shared machine the least disturbed round), rows the model read per request, and ranks x seconds.
 """
 
 import argparse
@@ -17,6 +22,7 @@ import gzip
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,9 +78,11 @@ def ours(folder: str, task: str, ranks: int, cores: int) -> float:  # cores: thr
         return json.load(f)["metrics"]["eval/cost/seconds"]
 
 
-def in_process(folder: str, task: str, batch: int, rounds: int) -> tuple[list[float], list[float]]:
-    """(our seconds, the harness's seconds) per round, alternating in one process on the same threads: a shared
-    machine's load then falls on both alike (the minimum is the figure to compare)."""
+def in_process(folder: str, task: str, batch: int, rounds: int) -> tuple[list, list, list, int]:
+    """(our (wall, CPU) seconds, the harness's, ours with every position's logits as the trainer's forward
+    computes them) per round, alternating in one process on the same threads: a shared machine's load then
+    falls on all alike (the minimum is the figure to compare; the process's CPU seconds leave out the time
+    other jobs held the core); and the rows we score."""
     import torch
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
@@ -89,17 +97,37 @@ def in_process(folder: str, task: str, batch: int, rounds: int) -> tuple[list[fl
     model.eval()
     evaluator = Evaluator(cfg.eval, tokenizer, 256)
     lm = HFLM(pretrained=folder, dtype="float32", max_length=256, batch_size=batch, device="cpu")
+    assert next(model.parameters()).dtype == next(lm.model.parameters()).dtype == torch.float32
     instances = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(evaluator.tasks[0].pairs)]
-    ours_s, theirs_s = [], []
+    forward, every_logit = plain_forward_sums(model), plain_forward_sums(model, scored_logits_only=False)
+    ours_s, theirs_s, full_s = [], [], []
     with torch.no_grad():
+        evaluator.run(forward)  # warm-up of both (allocator, first-call dispatch)
+        lm.loglikelihood(instances[:batch], disable_tqdm=True)
         for _ in range(rounds):
-            t0 = time.perf_counter()
-            evaluator.run(plain_forward_sums(model))
-            ours_s.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            lm.loglikelihood(instances, disable_tqdm=True)
-            theirs_s.append(time.perf_counter() - t0)
-    return ours_s, theirs_s
+            for run, out in ((lambda: evaluator.run(forward), ours_s),
+                             (lambda: lm.loglikelihood(instances, disable_tqdm=True), theirs_s),
+                             (lambda: evaluator.run(every_logit), full_s)):
+                t0, c0 = time.perf_counter(), time.process_time()
+                run()
+                out.append((time.perf_counter() - t0, time.process_time() - c0))
+    return ours_s, theirs_s, full_s, len(evaluator.rows[0])
+
+
+def cpu_name() -> str:
+    """lscpu's model name, and whether the CPU has native bf16 (avx512_bf16): what a CPU figure depends on."""
+    name, flags = "unknown CPU", ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and name == "unknown CPU":
+                    name = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = value
+    except OSError:
+        pass
+    return f"{name}, {'with' if 'avx512_bf16' in flags.split() else 'without'} avx512_bf16"
 
 
 def main() -> None:
@@ -107,7 +135,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--harness-batch", type=int, default=32)
     p.add_argument("--ranks", type=int, nargs="+", default=[2])
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="threads of the one-process runs (0: every core)")
     args = p.parse_args()
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -121,12 +149,20 @@ def main() -> None:
         model = os.path.join(tmp, "hf")
         write_model(model)
         n = args.requests // 4 * 4
-        print(f"{n} requests, debug model (llama3 debugmodel, fp32), {cores} cores, one-process runs {threads} threads")
-        ours_s, theirs_s = in_process(model, task, args.harness_batch, args.rounds)
-        for name, times in (("torchtitan.eval", ours_s), (f"lm_eval hf batch {args.harness_batch}", theirs_s)):
-            best = min(times)
-            print(f"{name:24s} 1 process, {threads} thread(s): min {best:6.2f} s ({1000 * best / n:5.2f} ms/request), "
-                  f"rounds {', '.join(f'{t:.2f}' for t in times)}")
+        print(f"{n} requests, debug model (llama3 debugmodel, float32 on both sides), {cpu_name()}, {cores} cores, "
+              f"one-process runs {threads} thread(s), {args.rounds} interleaved rounds")
+        ours_s, theirs_s, full_s, rows = in_process(model, task, args.harness_batch, args.rounds)
+        for name, rounds in (("torchtitan.eval", ours_s), (f"lm_eval hf batch {args.harness_batch}", theirs_s),
+                             ("ours, every logit", full_s)):
+            wall, cpu = [w for w, _ in rounds], [c for _, c in rounds]
+            print(f"{name:24s} 1 process, {threads} thread(s): min {min(wall):6.2f} s ({1000 * min(wall) / n:5.2f} "
+                  f"ms/request), median {statistics.median(wall):6.2f} s, CPU min {min(cpu):6.2f} s; rounds (wall/CPU) "
+                  f"{', '.join(f'{w:.2f}/{c:.2f}' for w, c in rounds)}")
+        for what, k in (("wall", 0), ("CPU", 1)):
+            ours_k, theirs_k = [r[k] for r in ours_s], [r[k] for r in theirs_s]
+            print(f"ours / the harness's, {what} seconds: {min(ours_k) / min(theirs_k):.3f} at the minimum, "
+                  f"{statistics.median(ours_k) / statistics.median(theirs_k):.3f} at the median")
+        print(f"ours read {rows} rows for {n} requests")
         for ranks in [r for r in args.ranks if r > 1]:
             s = ours(model, task, ranks, cores)
             print(f"torchtitan.eval {ranks} processes (torchrun, {max(cores // ranks, 1)} thread(s) each): {s:6.2f} s, "

@@ -60,9 +60,9 @@ def plot(runs: list[str], labels: list[str], output: str) -> None:
 
 
 def eval_scores(data: list[dict[int, dict[str, float]]]) -> list[str]:
-    """The eval/<task>/<metric> keys any run logged (not their _stderr, request counts or timings)."""
+    """The eval/<task>/<metric> keys any run logged (not their _stderr, request and row counts or timings)."""
     keys = {k for metrics in data for m in metrics.values() for k in m if k.startswith("eval/")}
-    return sorted(k for k in keys if not k.endswith(("_stderr", "/requests", "/seconds")))
+    return sorted(k for k in keys if not k.endswith(("_stderr", "/requests", "/rows", "/seconds")))
 
 
 def _plot_scores(ax, data, labels, scores: list[str]) -> None:

@@ -1,15 +1,18 @@
 """Evaluation in the loop scores the same under every layout as in one process, and survives a task failing on one rank.
 
 One training step at learning rate 0 (the weights stay the seed's, the same in every layout), then the [eval]
-pass at the last step: the shipped multiple-choice task (8 documents, 32 requests) and a rolling perplexity task
-whose documents span several 64-token windows, packed 4 rows to a batch. Every request's log-likelihood (read
-from rank 0's evaluator) and every logged metric (with the rolling metrics' bootstrapped stderrs) must equal the
-one-process run's within 1e-5 relative: the layouts change only the order of float32 sums (FSDP, HSDP and PP
-none, TP the row-parallel matmuls' partial sums, CP the ring's log-sum-exp merges and the sum of the two shards'
-per-request sums, EP the order in which a token's top-k expert outputs are combined), ~1e-7 relative per window.
-Layouts: FSDP 2, TP 2, PP 2, CP 2, HSDP 2 x 1 and 2 x 2 for the dense tiny Llama; EP 2 (its dense parameters
-FSDP-sharded over the 2 ranks) and EP 2 within FSDP 4 (the experts FSDP-sharded over the 2 ep groups as well)
-for the tiny Qwen3-MoE (8 experts, top 2). Measured here: HSDP 2 x 1, 2 x 2, EP 2 and EP 2 within FSDP 4 give
+pass at the last step, all in one run: the shipped multiple-choice task (8 documents, 32 requests), a rolling
+perplexity task whose documents span several 64-token windows, packed 4 rows to a batch, and an ARC-style task
+whose choices are single letters (4 documents, 16 requests read from 4 rows: positions with 4 label slots
+through the pipeline's targets, the context-parallel shards, loss parallel and the experts). Every request's
+log-likelihood (read from rank 0's evaluator) and every logged metric (with the rolling metrics' bootstrapped
+stderrs) must equal the one-process run's within 1e-5 relative: the layouts change only the order of float32
+sums (FSDP, HSDP and PP none, TP the row-parallel matmuls' partial sums, CP the ring's log-sum-exp merges and
+the sum of the two shards' per-request sums, EP the order in which a token's top-k expert outputs are
+combined), ~1e-7 relative per window. Layouts: FSDP 2, TP 2, PP 2, CP 2, HSDP 2 x 1 and 2 x 2 for the dense
+tiny Llama; EP 2 (its dense parameters FSDP-sharded over the 2 ranks) and EP 2 within FSDP 4 (the experts
+FSDP-sharded over the 2 ep groups as well) for the tiny Qwen3-MoE (8 experts, top 2), against its own
+one-process run. Measured before the letters task joined: HSDP 2 x 1, 2 x 2, EP 2 and EP 2 within FSDP 4 gave
 bitwise the one-process numbers (largest relative difference 0).
 
 Negative control: under FSDP 2, rank 1 scores its share of the batches twice (rank 0 runs as many empty
@@ -18,6 +21,7 @@ batches, so the gathers still pair up): the check fails.
 A task whose batch cannot be built on rank 1 only, in the middle of its shard (under FSDP 2, TP 2 and PP 2):
 no rank hangs (a 300 s limit on a run of a few seconds), every rank reports the task failed with rank 1's
 reason, the next task is scored as without the failure, and the training step after the evaluation is logged.
+The same for the letters task's batches (under TP 2 and PP 2), whose padding needs the label-slot dimension.
 """
 
 import gzip
@@ -62,6 +66,17 @@ def _rolling_task(folder) -> str:
     return str(path)
 
 
+def _letters_task(folder) -> str:
+    docs = [{"q": f"Question {i}: which letter follows {'ABCD'[i]}?\nAnswer:", "choices": list("ABCD"), "label": 0}
+            for i in range(4)]
+    (folder / "letters.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    path = folder / "letters.yaml"
+    path.write_text("task: letters\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: letters.jsonl\n"
+                    "output_type: multiple_choice\ntest_split: test\ndoc_to_text: q\ndoc_to_target: label\n"
+                    "doc_to_choice: choices\n")
+    return str(path)
+
+
 def _args(task_file: str) -> list[str]:
     return ["--model.flavor", "debugmodel_tiny4", "--training.steps", "1", "--optimizer.lr", "0",
             "--training.local_batch_size", "4",
@@ -103,13 +118,15 @@ def _differences(ref, got) -> list[str]:
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory) -> str:
-    return _rolling_task(tmp_path_factory.mktemp("task"))
+    folder = tmp_path_factory.mktemp("task")
+    return f"{_rolling_task(folder)},{_letters_task(folder)}"
 
 
 @pytest.fixture(scope="module")
 def reference(task, tmp_path_factory):
     ref = _run(1, _args(task), tmp_path_factory.mktemp("single"))
     assert ref[0]["eval/stdlib_next_line/requests"] == 32 and ref[0]["eval/rolling/requests"] == 3
+    assert ref[0]["eval/letters/requests"] == 16 and ref[0]["eval/letters/rows"] == 4
     # The bootstrapped stderrs reach metrics.jsonl like the metrics.
     assert all(ref[0][f"eval/rolling/{m}_stderr"] > 0 for m in ("word_perplexity", "byte_perplexity", "bits_per_byte"))
     return ref
@@ -166,6 +183,33 @@ def _fail_rank1_mid_shard(rank, world_size):
     logging.getLogger("torchtitan").addFilter(keep)
 
 
+def _fail_rank1_on_label_slots(rank, world_size):
+    """Rank 1 cannot build its first batch whose positions carry several label slots (the letters task's, K =
+    4): the padding it runs instead must have the slot dimension too, or its tensor-parallel peer's loss
+    parallel and its pipeline peer's targets run other shapes and collectives."""
+    import logging
+
+    from torchtitan.eval import scoring
+
+    if rank == 1:
+        real_rows, real_packed = scoring.row_tensors, scoring.batch_tensors
+
+        def failing(real):
+            def build(lines, rows, windows, *args, **kwargs):
+                if any(max(scoring.label_slots(rows[j], windows)) > 0 for line in lines for j in line):
+                    raise OSError("injected: rank 1's batch cannot be built")
+                return real(lines, rows, windows, *args, **kwargs)
+            return build
+
+        scoring.row_tensors, scoring.batch_tensors = failing(real_rows), failing(real_packed)
+
+    def keep(record):
+        _KEPT.append(record.getMessage())
+        return True
+
+    logging.getLogger("torchtitan").addFilter(keep)
+
+
 _KEPT: list = []  # the log lines of this rank
 
 
@@ -191,3 +235,22 @@ def test_task_failing_on_one_rank_is_agreed_and_training_goes_on(layout, task, r
     assert [m["step"] for m in logged if "loss" in m] == [1, 2], "training went on after the failed task"
     events = list(tmp_path.rglob("events.out.tfevents.*"))
     assert any(b"eval/rolling/bits_per_byte_stderr" in e.read_bytes() for e in events), "stderr not in TensorBoard"
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_task_failing_on_label_slots_on_one_rank_is_agreed(layout, task, reference, tmp_path):
+    """Rank 1 fails every letters batch (4 label slots per position) while its peer, which runs the same
+    batch (the tp peer, the other pipeline stage), builds it: the padding's shapes pair up, no rank hangs,
+    both report the letters task with rank 1's reason, the other tasks score as without the failure.
+    Checked to fail under TP 2 with padding labels of [B, S] (the peer's loss parallel runs 4 slots' cross
+    entropies, rank 1 one: a gloo error); under PP 2 rank 1 is the last stage, the only one reading the
+    targets, so that case tests the agreement only."""
+    _, extras = train(2, _args(task) + LAYOUTS[layout], str(tmp_path), probe=_failure_lines,
+                      setup=_fail_rank1_on_label_slots, timeout=300)
+    for rank, lines in enumerate(extras):
+        assert len(lines) == 1 and lines[0].startswith("Evaluation of task letters failed"), (rank, lines)
+        assert "on rank 1: OSError: injected: rank 1's batch cannot be built" in lines[0], (rank, lines)
+    logged = [m for m in read_metrics(str(tmp_path)) if "eval/rolling/requests" in m]
+    assert len(logged) == 1 and not any(k.startswith("eval/letters/") for k in logged[0]), logged
+    for key in ("eval/stdlib_next_line/acc", "eval/rolling/word_perplexity"):
+        assert math.isclose(logged[0][key], reference[0][key], rel_tol=REL), key

@@ -1,16 +1,21 @@
 """`python -m torchtitan.eval` against lm-evaluation-harness itself, on the same Hugging Face checkpoint.
 
 A tiny random LlamaForCausalLM (2 layers, dim 64, a 64-token window) is saved with save_pretrained, with the
-project's tokenizer as Hugging Face files. Three tasks are scored by the harness's Python API
+project's tokenizer as Hugging Face files. Five tasks are scored by the harness's Python API
 (`lm_eval.simple_evaluate(model="hf", ...)`, float32, CPU, offline, the task files through a TaskManager
 include path) and by our entry point on the folder:
 - the shipped stdlib_next_line (multiple choice, acc and acc_norm);
 - a HellaSwag-shaped multiple-choice task with Jinja templates, a description, 2 few-shot examples from a
   train split (the harness's sampler and seed) and acc_norm;
-- a rolling perplexity task whose documents span several 64-token windows (word/byte perplexity, bits per byte).
+- a rolling perplexity task whose documents span several 64-token windows (word/byte perplexity, bits per byte);
+- a loglikelihood task (a context and its continuation, perplexity);
+- an ARC-style task whose choices are the letters A-D: one row per document on our side (shared rows, 12 rows
+  for 48 requests), the harness's one-token-continuation cache on its side.
 Checked: accuracies identical; every request's log-likelihood within 1e-4 absolute (plus 2 float32 ulps of the
 request's total for the rolling documents of ~2,000 nats, below which float32 sums cannot resolve; see
-_tolerance); word/byte perplexity and bits per byte within 1e-5 relative.
+_tolerance); word/byte perplexity, bits per byte and perplexity within 1e-5 relative; the bootstrapped stderrs
+(perplexity's against the harness's reported value, the rolling metrics' against the harness's own estimator
+on its items) within the bound `_stderr_tolerance` derives (see _check_bootstraps).
 
 Tolerance: both sides sum float32 log-probabilities of at most 64 tokens of ~8 nats each; the two models
 (transformers' and ours) differ only in summation order inside the matmuls and softmax, measured at ~1e-5
@@ -115,6 +120,21 @@ metric_list:
   - metric: byte_perplexity
   - metric: bits_per_byte
 """)
+    with open(folder / "letters_test.jsonl", "w") as f:  # ARC-style: the choices are single-token labels
+        for i, p in enumerate(paras[40:52]):
+            f.write(json.dumps({"question": p[:120], "label": i % 4}) + "\n")
+    (folder / "letters.yaml").write_text(f"""\
+task: letters
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {folder / 'letters_test.jsonl'}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_target: label
+doc_to_choice: ["A", "B", "C", "D"]
+""")
     shipped = (SHIPPED_DIR / "stdlib_next_line.yaml").read_text()
     (folder / "stdlib_next_line.yaml").write_text(
         shipped.replace("test: stdlib_next_line.jsonl", f"test: {SHIPPED_DIR / 'stdlib_next_line.jsonl'}"))
@@ -166,7 +186,7 @@ def test_scores_equal_the_harness(tmp_path, monkeypatch):
     _write_tasks(tasks_dir)
     _hf_folder(ckpt)
     monkeypatch.setenv("DISABLE_MULTIPROC", "1")  # the harness's bootstrap in this process (the same draws)
-    names = ["stdlib_next_line", "mc_norm", "rolling", "ll_next"]
+    names = ["stdlib_next_line", "mc_norm", "rolling", "ll_next", "letters"]
     ours_file = tmp_path / "ours.json"
     rc = eval_main.main([str(ckpt), "--output", str(ours_file), "--training.seq_len", str(WINDOW),
                          "--eval.local_batch_size", "4", "--eval.limit", "24", "--eval.bootstrap_iters", str(ITERS),
@@ -184,6 +204,9 @@ def test_scores_equal_the_harness(tmp_path, monkeypatch):
     m = ours["metrics"]
     for metric in ("acc", "acc_norm"):
         assert m[f"eval/mc_norm/{metric}"] == results["mc_norm"][f"{metric},none"], metric
+    assert m["eval/letters/acc"] == results["letters"]["acc,none"]
+    # The letters' four requests of a document read one row (the harness reads them from one forward too).
+    assert m["eval/letters/requests"] == 48 and m["eval/letters/rows"] == 12, m
     for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
         want = results["rolling"][f"{metric},none"]
         assert math.isclose(m[f"eval/rolling/{metric}"], want, rel_tol=1e-5), (metric, m[f"eval/rolling/{metric}"], want)

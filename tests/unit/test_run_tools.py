@@ -92,7 +92,8 @@ def test_plot_writes_one_png_for_several_runs(tmp_path, capsys):
     assert width > 4 * height  # five panels side by side
     # A run that logged evaluations gets a sixth panel with its scores.
     with open(os.path.join(a, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps({"step": 20, "eval/t/acc": 0.5, "eval/t/acc_stderr": 0.1, "eval/t/requests": 8}) + "\n")
+        f.write(json.dumps({"step": 20, "eval/t/acc": 0.5, "eval/t/acc_stderr": 0.1, "eval/t/requests": 8,
+                            "eval/t/rows": 2}) + "\n")
     assert plot_metrics.eval_scores([plot_metrics.read_metrics(a)]) == ["eval/t/acc"]
     assert plot_metrics.main([a, "-o", str(out)]) == 0
     width6, height6 = _png_size(out)

@@ -211,22 +211,35 @@ def per_source_loss_sums(
     """[2, num_sources] fp32: the summed token loss and the trained-token count of each source (no grad).
 
     Summed over data- and context-parallel ranks, loss/<source> = row 0 / row 1 is each source's mean token
-    loss of the step, weighted like the training loss."""
+    loss of the step, weighted like the training loss.
+
+    labels and source_ids are [B, S], or [B, S, K]: K (label, source) slots per position, for an evaluation
+    row that several requests read (torchtitan/eval/scoring.py: requests whose inputs are one row's prefixes
+    predict other tokens, or the same ones for other requests, at the same positions); a slot's loss is the
+    position's cross entropy at its label, IGNORE_INDEX slots add nothing."""
+    if labels.dim() == 2:
+        labels, source_ids = labels.unsqueeze(-1), source_ids.unsqueeze(-1)
     with torch.no_grad():
         out = torch.zeros(2, num_sources, device=labels.device)
         # Over sequence chunks: a float32 copy of the whole logits is what the chunked loss avoids.
         for s in range(0, logits.size(1), _SOURCE_LOSS_CHUNK):
             e = s + _SOURCE_LOSS_CHUNK
-            token_loss = F.cross_entropy(
-                logits[:, s:e].flatten(0, 1).float(), labels[:, s:e].flatten(0, 1), reduction="none",
-                ignore_index=IGNORE_INDEX,
-            )
-            if isinstance(token_loss, DTensor):  # loss parallel
-                token_loss = token_loss.full_tensor()
-            ids = source_ids[:, s:e].flatten()
-            out[0].index_add_(0, ids, token_loss.float())
-            out[1].index_add_(0, ids, (labels[:, s:e].flatten() != IGNORE_INDEX).float())
+            chunk = logits[:, s:e].flatten(0, 1).float()
+            for k in range(labels.size(-1)):
+                slot = labels[:, s:e, k].flatten()
+                token_loss = F.cross_entropy(chunk, slot, reduction="none", ignore_index=IGNORE_INDEX)
+                if isinstance(token_loss, DTensor):  # loss parallel
+                    token_loss = token_loss.full_tensor()
+                ids = source_ids[:, s:e, k].flatten()
+                out[0].index_add_(0, ids, token_loss.float())
+                out[1].index_add_(0, ids, (slot != IGNORE_INDEX).float())
     return out
+
+
+def first_label_slot(labels: torch.Tensor) -> torch.Tensor:
+    """[B, S] labels for the token loss of a batch whose labels may carry K slots per position ([B, S, K],
+    see per_source_loss_sums): the first slot."""
+    return labels[..., 0] if labels.dim() == 3 else labels
 
 
 _SOURCE_LOSS_CHUNK = 1024  # sequence positions per chunk of the per-source loss (no grad: any size is exact)

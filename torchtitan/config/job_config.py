@@ -210,8 +210,9 @@ class Eval:
     names of tasks shipped in torchtitan/assets/eval_tasks (stdlib_next_line)."""
 
     local_batch_size: int = 8
-    """Rows of --training.seq_len tokens per evaluation batch on each data-parallel rank (requests are packed
-    several to a row)."""
+    """Rows of --training.seq_len tokens per evaluation batch on each data-parallel rank: the batch's token
+    budget (one request's row per batch row, as many as fit; under PP or CP rows are packed several to a batch
+    row of exactly seq_len)."""
 
     limit: int = -1
     """Documents of each task to score (the first ones); -1 = all."""

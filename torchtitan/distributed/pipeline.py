@@ -41,7 +41,7 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
-from torchtitan.components.loss import loss_value, per_source_loss_sums, token_and_mtp_loss
+from torchtitan.components.loss import first_label_slot, loss_value, per_source_loss_sums, token_and_mtp_loss
 from torchtitan.distributed.parallel_dims import LayoutError
 from torchtitan.distributed.balance import InfeasibleSplit, balanced_split, module_flops
 from torchtitan.protocols.model import is_shape_only_forward, mtp_settings, shape_only_forward, split_inputs
@@ -310,6 +310,7 @@ class _DivisorLoss:
             labels, source_ids = target.unbind(-1)
             if counted:
                 self.source_sums += per_source_loss_sums(logits.detach(), labels, source_ids, self.source_sums.shape[1])
+        labels = first_label_slot(labels)  # evaluation rows may carry several label slots
         loss, mtp_sums = token_and_mtp_loss(self.loss_fn, logits, mtp_logits, labels, self.mtp_weight)
         if mtp_sums is not None and counted and self.mtp_sums is not None:
             self.mtp_sums += mtp_sums

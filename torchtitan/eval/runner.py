@@ -3,7 +3,8 @@ caller has (the trainer's ranks in their layout, or `python -m torchtitan.eval` 
 
     evaluator = Evaluator(cfg.eval, tokenizer, seq_len)           # tasks read, requests built, checked
     metrics = evaluator.run(forward_sums, dp_rank, dp_degree, reduce_sum, device)
-    # {"eval/<task>/<metric>": value, "eval/<task>/<metric>_stderr": value, "eval/<task>/requests": n}
+    # {"eval/<task>/<metric>": value, "eval/<task>/<metric>_stderr": value, "eval/<task>/requests": n,
+    #  "eval/<task>/rows": inputs the model read for them (requests sharing one are read from it)}
 
 A task that fails while scoring, on any rank, is reported by every rank (logged, its metrics absent) and the
 others, and the training, go on: before a task's results are summed over the ranks, every rank of the job adds
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from torchtitan.eval.bootstrap import task_stderrs
 from torchtitan.eval.requests import TaskRequests, build_requests
-from torchtitan.eval.scoring import ForwardSums, request_loglikelihoods, score_windows, task_metrics
+from torchtitan.eval.scoring import ForwardSums, request_loglikelihoods, score_windows, share_rows, task_metrics
 from torchtitan.eval.tasks import load_task
 from torchtitan.tools.logging import logger
 
@@ -34,17 +35,33 @@ def build_task_requests(eval_cfg, tokenizer, max_length: int) -> list[TaskReques
     ]
 
 
-def plain_forward_sums(model) -> ForwardSums:
+def plain_forward_sums(model, scored_logits_only: bool = True) -> ForwardSums:
     """The per-window sums of a whole model in one process (the entry point's forward; the trainer's is its
-    validation forward, whatever the layout)."""
-    from torchtitan.components.loss import per_source_loss_sums, pop_source_ids
+    validation forward, whatever the layout). The output head (the model's `output` module) projects only
+    the positions that carry a label: a row's context needs no logits, and the head is a tenth of the debug
+    model's FLOPs (a fifth of a 1B model's at a 128k vocabulary). Per position the same computation.
+    `scored_logits_only=False`: every position's logits (as the trainer's forward; a benchmark's baseline)."""
+    from torchtitan.components.loss import IGNORE_INDEX, per_source_loss_sums, pop_source_ids
     from torchtitan.protocols.model import as_model_output, split_inputs
+
+    head = getattr(model, "output", None) if scored_logits_only else None
 
     @torch.no_grad()
     def forward_sums(inputs, labels, num_sources):
         inputs, source_ids = pop_source_ids(inputs)
         tokens, extra = split_inputs(inputs)
-        logits = as_model_output(model(tokens, **extra)).logits
+        scored = labels.ne(IGNORE_INDEX)
+        scored = scored.any(-1) if scored.dim() == 3 else scored
+        handle = None
+        if isinstance(head, torch.nn.Module):
+            handle = head.register_forward_pre_hook(lambda _, args: (args[0][scored].unsqueeze(0), *args[1:]))
+        try:
+            logits = as_model_output(model(tokens, **extra)).logits
+        finally:
+            if handle is not None:
+                handle.remove()
+        if logits.shape[:2] != scored.shape:  # the head saw the scored positions only: [1, scored, vocab]
+            labels, source_ids = labels[scored].unsqueeze(0), source_ids[scored].unsqueeze(0)
         return per_source_loss_sums(logits, labels, source_ids, num_sources)
 
     return forward_sums
@@ -56,6 +73,7 @@ class Evaluator:
         self.seq_len = seq_len
         self.pad_id = tokenizer.eos_id
         self.tasks = build_task_requests(eval_cfg, tokenizer, seq_len)
+        self.rows = [share_rows(reqs.windows) for reqs in self.tasks]  # inputs the model reads, per task
         self.last_loglikelihoods: dict[str, list[float]] = {}  # per task, of the last run (tests, the CLI)
         self.last_failures: dict[str, str] = {}  # task -> reason, of the last run
 
@@ -66,7 +84,7 @@ class Evaluator:
         parallel; see scoring.py); else rows are padded to a multiple of `row_multiple` (the tp degree's)."""
         metrics: dict[str, float] = {}
         self.last_failures = {}
-        for reqs in self.tasks:
+        for reqs, rows in zip(self.tasks, self.rows):
             name = reqs.task.name
             t0 = time.perf_counter()
             agreed = False
@@ -83,7 +101,7 @@ class Evaluator:
                 window_ll = score_windows(reqs.windows, forward_sums, seq_len=self.seq_len,
                                           batch_size=self.cfg.local_batch_size, pad_id=self.pad_id,
                                           dp_rank=dp_rank, dp_degree=dp_degree, reduce_sum=reduce_unless_failed,
-                                          device=device, packed=packed, row_multiple=row_multiple)
+                                          device=device, packed=packed, row_multiple=row_multiple, rows=rows)
                 lls = request_loglikelihoods(reqs, window_ll)
                 values = task_metrics(reqs, lls)
                 values.update(task_stderrs(reqs, lls, self.cfg.bootstrap_iters))
@@ -99,6 +117,7 @@ class Evaluator:
             self.last_loglikelihoods[name] = lls
             metrics.update({f"eval/{name}/{k}": v for k, v in values.items()})
             metrics[f"eval/{name}/requests"] = len(lls)
+            metrics[f"eval/{name}/rows"] = len(rows)
             metrics[f"eval/{name}/seconds"] = time.perf_counter() - t0
         return metrics
 
