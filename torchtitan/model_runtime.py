@@ -26,6 +26,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.context_parallel import shard_batch
 from torchtitan.job_plan import JobPlan
 from torchtitan.protocols.model import ModelOutput, as_model_output, mtp_settings, split_inputs
+from torchtitan.tools import cpu_malloc
 from torchtitan.tools.logging import init_logger, logger
 
 
@@ -83,6 +84,10 @@ class ModelRuntime:
         with plan_job before any rank started; this joins the process group."""
         self = cls()
         self.start(cfg, quiet)
+        if self.device.type == "cpu":
+            # Batches of every length and FSDP's gathered blocks: with glibc's dynamic mmap threshold their freed
+            # memory would stay in the heap (a rank's RSS at whole-model size under FSDP); returned instead.
+            cpu_malloc.return_freed_memory()
         self.lay_out(plan)
         self.build_model(plan, dist_utils.set_determinism(cfg.debug, self.device))
         checkpointer = ckpt.CheckpointManager(cfg, model_parts=self.model_parts, hf_adapter=self.spec.state_dict_adapter,
