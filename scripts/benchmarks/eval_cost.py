@@ -63,8 +63,10 @@ def ours(folder: str, task: str, ranks: int, cores: int) -> float:  # cores: thr
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(max(cores // ranks, 1))}
     out = os.path.join(os.path.dirname(folder), f"ours_{ranks}.json")
     cmd = [sys.executable, "-m", "torchtitan.eval", folder, "--output", out, "--training.seq_len", "256",
-           "--eval.tasks", task]
-    if ranks > 1:
+           "--eval.tasks", task, "--training.mixed_precision_param", "float32"]  # the harness's dtype
+    if ranks > 1:  # a whole model per process (the entry point's default under torchrun is FSDP over them)
+        cmd += ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.data_parallel_replicate_degree",
+                str(ranks)]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "-m", *cmd[2:]]
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -4,13 +4,13 @@ Two checkpoints: a DCP seed checkpoint of debugmodel_tiny4 (random init) and a H
 LlamaForCausalLM saved with save_pretrained, weights drawn wide enough that requests differ, and the project's
 tokenizer). Each is scored by the entry point (`main`, in forked gloo ranks as torchrun would start it) in one
 process, then on 2 ranks with no --parallelism option (the trainer's default: FSDP over both ranks), under
-TP 2 and under PP 2; every request's log-likelihood must equal the one-process value within `_tolerances`.
+TP 2, under PP 2 and as 2 whole-model replicas; every request's log-likelihood must equal the one-process value within `_tolerances`.
 Negative control: under FSDP 2, rank 1's shards are drawn afresh after the load: the check fails.
 A layout that does not fit the world is one line and exit 1, before any process group (no ranks needed).
 
 Tolerance (tests/tolerances.py): the layouts reorder float32 sums only (TP: the row-parallel matmuls' partial
 sums and loss parallel's log-sum-exp over vocabulary shards; PP: packed rows with block-causal attention
-against one process's padded rows; FSDP: none). A target token's log-probability is its logit minus the
+against one process's padded rows; FSDP and replicas: none). A target token's log-probability is its logit minus the
 log-sum-exp of the logits: two values at the logits' scale, each through the model's chain of contractions
 (logits_tol of its depth and widest contraction, at the largest |logit| the model gives), plus the
 log-sum-exp's own reordered sum over the vocabulary (reordered_sum_rtol(vocab), relative to the sum, absolute
@@ -35,6 +35,8 @@ LAYOUTS = {
     "default (fsdp 2)": [],
     "tp2": ["--parallelism.tensor_parallel_degree", "2"],
     "pp2": ["--parallelism.pipeline_parallel_degree", "2"],
+    "replicate 2": ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.data_parallel_replicate_degree",
+                    "2"],
 }
 
 
