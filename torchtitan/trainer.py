@@ -3,7 +3,9 @@
     config ─▶ process group + mesh ─▶ train spec ─▶ tokenizer, data ─▶ model on meta ─▶ converters
     ─▶ parallelize ─▶ weights on device ─▶ optimizer, LR schedule ─▶ checkpoint ─▶ loop
 
-The entry point is `torchtitan/train.py` (`./run_train.sh` or `python -m torchtitan.train --help`).
+What holds and runs the model (process group, mesh, parallelize, weights, the validation forward) is
+`ModelRuntime` (torchtitan/model_runtime.py), shared with `python -m torchtitan.eval`. The entry point is
+`torchtitan/train.py` (`./run_train.sh` or `python -m torchtitan.train --help`).
 """
 
 import contextlib
@@ -11,19 +13,15 @@ import dataclasses
 import gc
 import os
 import time
-import warnings
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
-from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.tools import storage
 from torchtitan.components.checkpoint import manager as ckpt
 from torchtitan.components.loss import (
     IGNORE_INDEX,
-    first_label_slot,
     loss_value,
     mtp_metrics,
     per_source_loss_sums,
@@ -45,11 +43,11 @@ from torchtitan.distributed.context_parallel import shard_batch
 from torchtitan.errors import TrainingError
 from torchtitan.eval.runner import Evaluator
 from torchtitan.job_plan import plan_job
+from torchtitan.model_runtime import ModelRuntime, to_device
 from torchtitan.protocols.model_shape import model_summary, pin_model_shape
-from torchtitan.protocols.model import ModelOutput, as_model_output, mtp_settings, split_inputs
 from torchtitan.tools import cpu_malloc, fault_injection, stragglers
 from torchtitan.tools.device_peak import peak_flops
-from torchtitan.tools.logging import init_logger, logger
+from torchtitan.tools.logging import logger
 from torchtitan.tools.memory import MemoryMonitor
 from torchtitan.tools.params import count_params
 from torchtitan.tools.precision import emulation_warning
@@ -57,12 +55,9 @@ from torchtitan.tools.preemption import PreemptionWatch
 from torchtitan.tools.profiling import Profiler
 
 
-class Trainer:
+class Trainer(ModelRuntime):
     def __init__(self, cfg: JobConfig):
-        self.cfg = cfg
-        hang_watch.enable_flight_recorder(cfg.comm.trace_buf_size, cfg.job.dump_folder)  # NCCL only; before init
-        self.device, self.rank, self.world_size = dist_utils.init_distributed(cfg.comm)
-        init_logger(self.rank)
+        self.start(cfg)  # the process group, the logger (model_runtime.py: what the evaluation entry point shares)
         self.kept_heap = None  # CPU: the bound on glibc's kept heap, checked after every step
         if self.device.type == "cpu":
             if cfg.memory.cpu_return_freed:  # a memory budget bounds resident memory: nothing freed stays
@@ -87,24 +82,18 @@ class Trainer:
             raise ValueError("--memory.budget_gib is planned by the entry point (python -m torchtitan.train, "
                              "planning.memory_budget.resolve_budget) before the trainer: pass its "
                              "--memory.block_choices")
-        self.spec, self.tokenizer, self.model_args = plan.spec, plan.tokenizer, plan.model_args
-        model_line = model_summary(cfg, self.model_args, self.tokenizer)  # before pinning rewrites the source
-        pin_model_shape(cfg, self.model_args)  # checkpoints' config.toml rebuild this shape without hf_config
+        model_line = model_summary(cfg, plan.model_args, plan.tokenizer)  # before pinning rewrites the source
+        pin_model_shape(cfg, plan.model_args)  # checkpoints' config.toml rebuild this shape without hf_config
         if plan.moe_balancing is not None:  # ... and train with this balancing, which hf_config may have chosen
             b = plan.moe_balancing
             cfg.moe.load_balance_coeff, cfg.moe.router_aux_loss_coef = b.load_balance_coeff, b.router_aux_loss_coef
-        self.parallel_dims, self.global_batch_size, self.grad_accum = (
-            plan.parallel_dims, plan.global_batch_size, plan.grad_accum
-        )
-        pd = self.parallel_dims
+        self.global_batch_size, self.grad_accum = plan.global_batch_size, plan.grad_accum
         precision = plan.precision
         logger.info(f"Precision: {precision.reason}")
         if precision.emulated and self.rank == 0:
             logger.warning(emulation_warning(precision, self.device))
-        self.mesh = pd.build_mesh(self.device.type) if self.world_size > 1 else None
-        # Validation and evaluation are summed over this process group's dp ranks alone (_reduce_over), so
-        # they deal their batches over those ranks: every fault-tolerant replica group scores the whole split.
-        self.group_dp = pd.coordinate("dp") if self.mesh else (0, 1)
+        self.lay_out(plan)  # spec, tokenizer, model args, parallel_dims, mesh, dp coordinate
+        pd = self.parallel_dims
         self.dp_rank, self.dp_degree, self.global_batch_size = fault_tolerance.data_coordinate(
             cfg.fault_tolerance, *self.group_dp, self.global_batch_size
         )  # fault-tolerant replica groups split the training data among them
@@ -115,7 +104,7 @@ class Trainer:
         self.source_names = getattr(self.dataloader.dataset, "source_names", [])
 
         # ---- model: meta (converted by the plan) ─▶ parallelize ─▶ weights ----------------------------------
-        model, self.converters = plan.model, plan.converters
+        model = plan.model
         if cfg.model.print_after_conversion and self.rank == 0:
             logger.info(f"Model after converters:\n{model}")
         self.num_params, non_embedding = count_params(model)
@@ -126,26 +115,11 @@ class Trainer:
         )
         if plan.moe_balancing is not None:
             logger.info(f"MoE router balancing: {plan.moe_balancing.why}")
-        self.loss_fn = self.spec.build_loss_fn(cfg)
-        self.mtp_weight = mtp_settings(model)[1]  # multi-token prediction's lambda (0 without it)
-        self.pipeline = None
-        if pd.pp_enabled:
-            self.pipeline = self.spec.pipelining_fn(model, pd, cfg, self.device, self.spec.parallelize_fn, self.loss_fn)
-            self.model_parts = self.pipeline.parts
-        else:
-            self.model_parts = [self.spec.parallelize_fn(model, pd, cfg)]
-        self.converters.post_parallelize(self.model_parts)
         self.compile_choice = plan.compile_choice
         if self.rank == 0:
             logger.info(self.compile_choice.reason)
-        self._init_weights(seed)
-        # Autocast gives mixed precision where FSDP's policy does not apply (no data-parallel sharding).
-        param_dtype, mp = precision.param, precision.mixed
-        self.autocast = (
-            torch.autocast(self.device.type, dtype=mp)
-            if not pd.fsdp_enabled and mp != param_dtype and param_dtype == torch.float32
-            else contextlib.nullcontext()
-        )
+        # loss, pipeline stages or parallelize, converters' post-parallelize hooks, weights, autocast
+        self.build_model(plan, seed)
 
         # ---- optimization state -------------------------------------------------------------------------
         self.optimizers = self.spec.build_optimizers_fn(self.model_parts, cfg.optimizer, pd)
@@ -209,51 +183,13 @@ class Trainer:
             infinite=infinite,
         )
 
-    def _init_weights(self, seed: int) -> None:
-        """Same initial weights whatever the layout: from a seed/initial checkpoint when one is given (the
-        checkpoint manager loads it before training), else from the model's own init under `seed`.
-
-        On CPU a sharded random init would draw the same numbers on every rank (duplicated shards), so there
-        each rank initialises the full model once and keeps its shards. On CUDA, DTensor's offset-tracked RNG
-        initialises shards in place (distinct, but not bit-equal across layouts: use a seed checkpoint)."""
-        for m in self.model_parts:
-            m.to_empty(device=self.device)
-        # A frozen base's checkpoints hold only the trainable weights: the base is initialised again on resume.
-        resumes_weights = ckpt.has_checkpoint(self.cfg) and not ckpt.has_frozen_base(self.model_parts)
-        from_checkpoint = bool(self.cfg.checkpoint.initial_load_path) or resumes_weights
-        full_init = not from_checkpoint and self.world_size > 1 and self.device.type == "cpu"
-        if not full_init:
-            torch.manual_seed(seed)
-        with torch.no_grad(), warnings.catch_warnings():
-            # On CPU, DTensor warns that its random ops are not layout-aware; full_init below handles that.
-            warnings.filterwarnings("ignore", message="DTensor random operators")
-            for m in self.model_parts:
-                m.init_weights(buffer_device=self.device)  # also builds derived buffers (e.g. RoPE tables)
-        if full_init:
-            with torch.device("meta"):
-                full = self.spec.model_cls(self.model_args)
-            self.converters.convert(full)  # the same parameters as the parts (e.g. LoRA adapters)
-            full.to_empty(device="cpu")
-            torch.manual_seed(seed)
-            with torch.no_grad():
-                full.init_weights(buffer_device=None)
-            ckpt.load_full_state_dict(self.model_parts, full.state_dict())
-            del full
-        torch.manual_seed(seed)  # later randomness does not depend on how much the init consumed
-
     # ------------------------------------------------------------------------------------------------------
     def _next_microbatches(self, data_iter: Iterator) -> list[tuple]:
         step = self.train_state.step + 1
         skip = self._skip_windows.get(step, 0) + fault_injection.skips_data(step)
         for _ in range(skip * self.grad_accum):  # the windows of the step a rollback undid are left out
             next(data_iter)
-        return [_to_device(next(data_iter), self.device) for _ in range(self.grad_accum)]
-
-    def _reduce_over(self, x: torch.Tensor, dim: str) -> torch.Tensor:
-        mesh = self.parallel_dims.submesh(dim) if self.mesh is not None else None
-        if mesh is not None:
-            dist.all_reduce(x, group=mesh.get_group())
-        return x
+        return [to_device(next(data_iter), self.device) for _ in range(self.grad_accum)]
 
     def global_token_count(self, microbatches) -> torch.Tensor:
         """Label tokens of the whole optimizer step over every data-parallel and cp rank (this rank's
@@ -261,10 +197,6 @@ class Trainer:
         summed gradients give the global mean."""
         local_tokens = sum((lab != IGNORE_INDEX).sum() for _, lab in microbatches)
         return self._reduce_over(local_tokens.to(torch.float32), "dp_cp").clamp_min(1)
-
-    def _forward(self, inputs) -> ModelOutput:
-        tokens, extra = split_inputs(inputs)
-        return as_model_output(self.model_parts[0](tokens, **extra))
 
     def train_step(self, microbatches) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """One optimizer step over the rank's microbatches; returns (global loss, grad norm, model metrics
@@ -331,29 +263,6 @@ class Trainer:
         if sums is not None:
             self._source_sums = sums if self._source_sums is None else self._source_sums + sums
 
-    def _loss_context(self):
-        pd = self.parallel_dims
-        if pd.tp_enabled and not self.cfg.parallelism.disable_loss_parallel:
-            return loss_parallel()
-        return contextlib.nullcontext()
-
-    # ------------------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _forward_loss_sums(self, inputs, labels: torch.Tensor,
-                           num_sources: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Summed token loss of one validation batch, however the job is laid out, and for a mixture its
-        [2, sources] per-source token-loss sums and token counts (else None). The evaluation pass gives each
-        request its own source (`num_sources` of them) to get each request's summed loss."""
-        inputs, labels = shard_batch(_to_device((inputs, labels), self.device), *self.parallel_dims.coordinate("cp"))
-        inputs, source_ids = pop_source_ids(inputs)
-        n = len(self.source_names) if num_sources is None else num_sources
-        with self.autocast, self._loss_context():
-            if self.pipeline is not None:
-                return self.pipeline.eval(inputs, labels, source_ids, n)
-            logits = self._forward(inputs).logits
-            sums = None if source_ids is None else per_source_loss_sums(logits, labels, source_ids, n)
-            return loss_value(self.loss_fn(logits, first_label_slot(labels))), sums
-
     def validate(self, step: int) -> dict[str, float]:
         """The spec's validator over the validation split; a mixture adds validation/loss/<source>."""
         loader = self._build_dataloader("validation", self.cfg.validation.local_batch_size, infinite=False)
@@ -381,25 +290,10 @@ class Trainer:
         return metrics
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """The [eval] tasks scored by every rank in the training layout: each data-parallel rank a share of
-        the batches, through the validation forward (pipeline schedule, context-parallel shards, loss
-        parallel), the per-request sums completed over the dp and cp ranks (torchtitan/eval/scoring.py)."""
+        """The [eval] tasks scored by every rank in the training layout (ModelRuntime.score_tasks), logged."""
         if self.kept_heap is not None:
             self.kept_heap.before(("eval",))
-
-        def forward_sums(inputs, labels, num_sources):
-            return self._forward_loss_sums(inputs, labels, num_sources)[1]
-
-        for m in self.model_parts:
-            m.eval()
-        try:
-            pd = self.parallel_dims  # pipeline stages and cp shards need rows of exactly seq_len: packed
-            metrics = self.evaluator.run(forward_sums, *self.group_dp,
-                                         lambda x: self._reduce_over(x, "dp_cp"), self.device,
-                                         packed=pd.pp_enabled or pd.cp_enabled, row_multiple=pd.tp)
-        finally:
-            for m in self.model_parts:
-                m.train()
+        metrics = self.score_tasks(self.evaluator)
         self.metrics.log(step, metrics)
         return metrics
 
@@ -561,15 +455,6 @@ class Trainer:
 
 def _add(total: torch.Tensor | None, x: torch.Tensor | None) -> torch.Tensor | None:
     return x if total is None else total if x is None else total + x
-
-
-def _to_device(batch, device: torch.device):
-    """A batch (tensors, or tuples/dicts of them) moved to `device`."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    return tuple(_to_device(x, device) for x in batch)
 
 
 def add_aux_loss(token_loss: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:

@@ -6,11 +6,12 @@ The debug model (train_configs/debug_model.toml: llama3 debugmodel, seq_len 256,
 written as a Hugging Face folder; 1,000 multiple-choice requests (250 documents x 4 lines, the shipped task's
 recipe over the training split's docstring lines) are scored
 - in one process, alternating --rounds times on the same threads (every core, or --threads), both in float32:
-  torchtitan's evaluator (the model loaded from the folder as python -m torchtitan.eval loads it, its forward;
+  torchtitan's evaluator (the model loaded from the folder by offline_model.py, its forward;
   batches of eval.local_batch_size x 256 tokens) and lm_eval's HFLM.loglikelihood (dtype float32, its default
   logits cache that reads requests with one input row from one forward) on the same (context,
   continuation) pairs, batch --harness-batch; and ours again with the logits of every position (the
-  trainer's forward computes them; the entry point's projects the labelled positions only);
+  trainer's forward computes them, and python -m torchtitan.eval, which now scores through the trainer's
+  forward, does too; the first scorer's plain_forward_sums projects the labelled positions only);
 - then by python -m torchtitan.eval under torchrun at each of --ranks processes (cores / N threads each).
 Printed: the CPU (model name, native bf16 or not), wall and process-CPU seconds of scoring (model loading
 excluded) per round, the minimum and median, ms per request, the ratios ours / the harness's (the minima: on a
@@ -69,8 +70,10 @@ def ours(folder: str, task: str, ranks: int, cores: int) -> float:  # cores: thr
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(max(cores // ranks, 1))}
     out = os.path.join(os.path.dirname(folder), f"ours_{ranks}.json")
     cmd = [sys.executable, "-m", "torchtitan.eval", folder, "--output", out, "--training.seq_len", "256",
-           "--eval.tasks", task]
-    if ranks > 1:
+           "--eval.tasks", task, "--training.mixed_precision_param", "float32"]  # the harness's dtype
+    if ranks > 1:  # a whole model per process (the entry point's default under torchrun is FSDP over them)
+        cmd += ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.data_parallel_replicate_degree",
+                str(ranks)]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "-m", *cmd[2:]]
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -189,6 +189,7 @@ def test_scores_equal_the_harness(tmp_path, monkeypatch):
     names = ["stdlib_next_line", "mc_norm", "rolling", "ll_next", "letters"]
     ours_file = tmp_path / "ours.json"
     rc = eval_main.main([str(ckpt), "--output", str(ours_file), "--training.seq_len", str(WINDOW),
+                         "--training.mixed_precision_param", "float32",  # the harness runs dtype=float32
                          "--eval.local_batch_size", "4", "--eval.limit", "24", "--eval.bootstrap_iters", str(ITERS),
                          "--eval.tasks", ",".join(str(tasks_dir / f"{n}.yaml") for n in names)])
     assert rc == 0

@@ -285,9 +285,11 @@ class _InFlight:
 
 class CheckpointManager:
     def __init__(
-        self, cfg: JobConfig, *, model_parts, optimizers, lr_schedulers, dataloader, train_state, hf_adapter=None,
-        model_args=None, tokenizer=None,
+        self, cfg: JobConfig, *, model_parts, optimizers=None, lr_schedulers=None, dataloader=None, train_state=None,
+        hf_adapter=None, model_args=None, tokenizer=None,
     ):
+        """The state it saves and loads is what it is given: the trainer gives all of it; a model-only user
+        (python -m torchtitan.eval) gives the model parts alone, and loads `initial_load_path` model-only."""
         self.cfg = cfg
         self.ckpt = cfg.checkpoint
         self.root = checkpoint_root(cfg)
@@ -306,10 +308,11 @@ class CheckpointManager:
             "model": self.model,
             "optimizer": optimizers,
             "lr_scheduler": lr_schedulers,
-            "dataloader": DataLoaderState(dataloader),
+            "dataloader": DataLoaderState(dataloader) if dataloader is not None else None,
             "train_state": train_state,
-            "rng": RNGState(),
+            "rng": RNGState() if train_state is not None else None,
         }
+        self.states = {k: v for k, v in self.states.items() if v is not None}
         unknown = sorted(set(self.ckpt.exclude_from_loading) - set(self.states))
         if unknown:
             raise CheckpointError(
