@@ -11,7 +11,8 @@ from torchtitan.job_plan import plan_job
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.plan import main as plan_main
 from torchtitan.planning.hardware import get_device
-from torchtitan.planning.memory import ModelShape, block_elems_per_token
+from torchtitan.planning import planner
+from torchtitan.planning.memory import ModelShape, block_elems_per_token, estimate_memory
 from torchtitan.planning.planner import Features, Layout, evaluate, module_seconds_per_microbatch, plan_layouts
 from torchtitan.planning.step_time import (
     ASYNC_TP_HIDDEN,
@@ -173,6 +174,31 @@ def test_pipeline_with_fsdp_holds_the_gathered_stage_and_its_fp32_gradients():
     s = shape("405B")
     # the first (last) rank receives only gradients (activations): one per microbatch, sequence-parallel bf16
     assert est["PP receive buffers"] == 32 * 8192 * s.dim // 8 * 2
+
+
+def test_the_last_stage_keeps_its_outputs_as_torch_did_before_2025(monkeypatch):
+    """torch's pipeline schedules before `return_outputs` (2025) kept every microbatch's logits on the last stage
+    until the step ended, then concatenated them (the published 405B runs' torch): the last rank holds n - 1
+    earlier outputs beside the last microbatch's, and 2 n at the step's end. This repository's trainer does
+    not keep them (return_outputs=False), so the planner's own layouts carry no such term. (Measured on CPU:
+    scripts/planning/bench_memory.py rows "outputs kept", estimate / measured 0.999.)"""
+    layout = Layout(1, 8, 1, 8, 8, "full", 32, 4, "1F1B")
+    s = shape("405B")
+    ranks = []  # every pipeline rank the planner judges, in its order (rank 0 first, the last rank last)
+
+    def recorded(*args):
+        ranks.append(estimate_memory(*args))
+        return ranks[-1]
+
+    monkeypatch.setattr(planner, "estimate_memory", recorded)
+    evaluate(s, layout, get_device("H100-96GB"), 512, 8192, 256, pp_outputs_kept=True)
+    monkeypatch.undo()
+    last = ranks[-1].components
+    logits = 4 * 8192 * (s.vocab // 8) * 2  # one microbatch of 4 sequences, vocabulary over TP 8, bf16
+    assert last["PP outputs kept (last stage)"] == 7 * logits
+    assert ranks[0].components.get("PP outputs kept (last stage)", 0) == 0  # only the rank with the output
+    plain = evaluate(s, layout, get_device("H100-96GB"), 512, 8192, 256).memory.components
+    assert "PP outputs kept (last stage)" not in plain
 
 
 def test_the_busiest_pipeline_rank_sets_the_pace():

@@ -205,6 +205,10 @@ class PublishedRun:
     kv_repeated: bool = False
     """The code of the run repeated k/v to the query heads before attention (torchtitan's Llama until 2025:
     `repeat_kv` before `F.scaled_dot_product_attention`), so its ring CP gathered n_heads of k/v."""
+    pp_outputs_kept: bool = False
+    """The run's torch kept every microbatch's output on the last pipeline stage until the step ended
+    (`PipelineStage.output_chunks`, for the schedule's return value: torch before 2025 always did;
+    RankWork.pp_kept_outputs)."""
 
     def predict(self) -> Candidate:
         """The model's prediction for the layout as it ran, memory not judged (it ran). CP is priced as the run
@@ -214,7 +218,8 @@ class PublishedRun:
         roomy = dataclasses.replace(get_device(self.device), memory_bytes=float("inf"))
         return evaluate(shape, self.layout, roomy, self.devices, self.seq_len, self.global_batch_size,
                         network=self.network, features=self.features, cp_method=("ring", 0),
-                        cp_kv_heads=shape.n_heads if self.kv_repeated else None)
+                        cp_kv_heads=shape.n_heads if self.kv_repeated else None,
+                        pp_outputs_kept=self.pp_outputs_kept)
 
     @property
     def choices(self) -> tuple:
@@ -294,19 +299,19 @@ CORPUS = (
                  Layout(1, 8, 1, 8, 8, "full", 32, _tt_pp_default(32, 8), "1F1B"), 100,
                  f"{_DEC24}, Table 5 row 1F1B", _F8_ALL, memory_gib=82.5,
                  assumed="microbatches = PP degree (torchtitan's default then: 8 of 4); float8 all-gather (the "
-                         "405B recipe's then)"),
+                         "405B recipe's then)", pp_outputs_kept=True),
     PublishedRun("T5 405B 512 GPUs Interleaved 1F1B", "405B", "H100-96GB", 512, 8192, 256,
                  Layout(1, 8, 1, 8, 8, "full", 32, _tt_pp_default(32, 8), "Interleaved1F1B"), 128,
                  f"{_DEC24}, Table 5 row Interleaved 1F1B", _F8_ALL, memory_gib=72.7,
                  assumed="2 stages per rank and microbatches = PP degree (torchtitan's defaults then: 8 of 4; "
-                         "first entered as 16 of 2, corrected from PR #781 after the held-out miss); float8 all-gather"),
+                         "first entered as 16 of 2, corrected from PR #781 after the held-out miss); float8 all-gather", pp_outputs_kept=True),
     # Table 6: Llama 3.1 405B, 512 GPUs (TP 8, PP 8), FSDP x CP = 8, compile + Float8 + async TP + 1F1B, local
     # batch 8, full AC.
     *(PublishedRun(f"T6 405B 512 GPUs FSDP {8 // cp} CP {cp} seq {seq}", "405B", "H100-96GB", 512, seq, 8 * (8 // cp),
                    Layout(1, 8 // cp, cp, 8, 8, "full", 8, _tt_pp_default(8, 8), "1F1B"), tps,
                    f"{_DEC24}, Table 6 row FSDP {8 // cp}, CP {cp}", _F8_ALL, memory_gib=mem,
                    assumed="global batch = local batch 8 x FSDP degree; 8 microbatches of 1; float8 all-gather",
-                   kv_repeated=True)
+                   kv_repeated=True, pp_outputs_kept=True)
       for cp, seq, tps, mem in ((1, 32768, 76, 75.3), (2, 65536, 47, 75.9), (4, 131072, 31, 77.1),
                                 (8, 262144, 16, 84.9))),
     # H200: Llama 3.1 8B, FSDP over 4 and 8 hosts.
