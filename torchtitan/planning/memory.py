@@ -12,6 +12,8 @@
          + PP receive buffers: torch's PipelineStage allocates, up front and for good, one activation
            buffer per microbatch for each local stage but the first and one gradient buffer per
            microbatch for each but the last (sequence-parallel boundary activations)
+         + PP, the last stage, when the schedule returns its outputs (torch before 2025 always did; the trainer
+           passes return_outputs=False): every microbatch's logits kept until the step ends, then concatenated
          + allocator overhead (CUDA caching allocator: a stated fraction; CPU: none)
          + CUDA context and NCCL buffers (GPU: a stated constant; CPU: none)
 
