@@ -125,7 +125,7 @@ def test_held_out_runs_meet_the_issues_criteria():
     every run's predicted tokens/s/GPU within 15% of the published figure, the median within 10%, and peak
     memory within 10% where published (the allocator's reserved bytes, what torchtitan logs) except the runs
     HELD_OUT_MEMORY_MISSES names. The interval the planner prints comes from these ratios
-    (HELD_OUT_RATIO_RANGE). Pure arithmetic over 15 runs: well under a second."""
+    (HELD_OUT_RATIO_RANGE). Pure arithmetic over 19 runs: well under a second."""
     ratios = {r.name: r.predict().tokens_per_s_per_device / r.tokens_per_s for r in HELD_OUT}
     for name, ratio in ratios.items():
         print(f"{name}: predicted / published {ratio:.3f}")
@@ -233,7 +233,7 @@ def test_cli_prints_top_layouts_and_one_line_errors(capsys):
     out = capsys.readouterr().out
     assert "#1 (fastest; " in out and "#2" in out and "data_parallel_shard_degree = " in out
     # each layout carries the interval the held-out runs give, and the published run at this setting is placed
-    assert "held-out predicted / published 0.92-1.14" in out and " tokens/s/device): " in out
+    assert "held-out predicted / published 0.86-1.14" in out and " tokens/s/device): " in out
     assert "published (T1 8B 8 GPUs FSDP; training): dp_shard 8" in out
     assert plan_main(["--flavor", "8B", "--devices", "8", "--seq-len", "8192", "--global-batch-size", "16",
                       "--device-type", "H1OO"]) == 2
