@@ -378,11 +378,11 @@ CORPUS = (
 )
 """The corpus, in a fixed order (source, then table, then row). Left out, with the reason (docs/planning.md):
 the Llama 3 paper's 131K-sequence row (CP 16: its TFLOP/s -> tokens/s depends by ~40% on whether causal
-attention is counted half, which the paper does not say); torchtitan's async-TP benchmark of June 2025 (its
-numbers are an image; added after the rule, at the corpus's end, from torchtitan's Llama 3 README, which gives
-them in text); Megatron-LM's and MaxText's scaling tables (GPT blocks and TPUs: shapes and devices this
-model does not describe yet); NeMo's Megatron-Core table (a virtual-pipeline split torch cannot make, TP/CP
-overlap priced exposed here, AC not stated); MoE runs (no all-to-all in the step-time model)."""
+attention is counted half, which the paper does not say); Megatron-LM's and MaxText's scaling tables (GPT blocks
+and TPUs: shapes and devices this model does not describe yet); NeMo's Megatron-Core table (a virtual-pipeline
+split torch cannot make, TP/CP overlap priced exposed here, AC not stated); MoE runs (no all-to-all in the
+step-time model). torchtitan's async-TP benchmark of June 2025, first left out because its table is an image,
+was added after the rule (the last 8 runs) from torchtitan's Llama 3 README, which gives that table in text."""
 
 TRAINING = CORPUS[0::2]
 """The fitting rule, fixed before any prediction was looked at: every other run in corpus order, starting
