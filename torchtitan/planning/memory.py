@@ -185,9 +185,10 @@ class RankWork:
     """PP, the rank holding the last stage: microbatch outputs (the logits) torch's PipelineStage keeps for the
     schedule's return value, `output_chunks`, until the step ends (torch before 2025 always did; now only with
     `step(return_outputs=True)`: this repository's trainer passes False, so 0 for its jobs). The last microbatch
-    runs with the n - 1 earlier ones kept (exact for 1F1B, whose last rank has one microbatch in flight; an upper
-    bound for interleaved schedules, whose last rank's in-flight peak comes before its outputs pile up), and at
-    the step's end the schedule concatenates all n into a new tensor beside them."""
+    runs with the n - 1 earlier ones kept, counted on top of the in-flight peak: exact for 1F1B, whose last rank
+    has one microbatch in flight, and for Interleaved1F1B with as many microbatches as ranks (torch's order keeps
+    the last rank's in-flight peak through every last-stage backward: planning.schedule_order), an upper bound
+    otherwise. At the step's end the schedule concatenates all n into a new tensor beside them."""
     on_gpu: bool = False
     loss_chunk_tokens: int = 0
     """Chunked loss (training.loss_chunk_size): tokens of one chunk (its positions x the microbatch's
