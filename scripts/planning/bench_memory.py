@@ -15,6 +15,7 @@ gives them) and the layout's activation formula.
 """
 
 import argparse
+import dataclasses
 import platform
 import sys
 from pathlib import Path
@@ -69,7 +70,16 @@ RUNS = {  # name: (world, extra args)
                                                   "--parallelism.pipeline_parallel_microbatch_size", "1",
                                                   "--activation_checkpoint.mode", "full"])
        for s in ("1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")},
+    # torch before 2025 kept every microbatch's output on the last stage for the schedule's return value (the
+    # published 405B runs'); the trainer passes return_outputs=False, these rows pass True as that torch did.
+    **{f"PP 2 {s}, 8 microbatches, outputs kept": (2, ["--parallelism.pipeline_parallel_degree", "2",
+                                                       "--parallelism.pipeline_parallel_schedule", s,
+                                                       "--training.local_batch_size", "8",
+                                                       "--parallelism.pipeline_parallel_microbatch_size", "1",
+                                                       "--activation_checkpoint.mode", "full"])
+       for s in ("1F1B", "Interleaved1F1B")},
 }
+KEEP_OUTPUTS = {name for name in RUNS if name.endswith("outputs kept")}
 COMMON = [
     "--model.flavor", "debugmodel", "--training.seq_len", "512", "--training.local_batch_size", "4",
     "--training.mixed_precision_param", "float32", "--training.steps", "1", "--validation.enable", "false",
@@ -83,6 +93,24 @@ def _live_tensor_bytes(trainer) -> int:
     s = local_state_bytes(trainer.model_parts, trainer.optimizers)
     buffers = sum(b.numel() * b.element_size() for m in trainer.model_parts for b in m.buffers())
     return s["params"] + s["grads"] + s["optimizer"] + buffers
+
+
+def _recv_buffer_bytes(trainer) -> int:
+    """PP receive buffers: torch's PipelineStage allocates them in the first step and keeps them, so they are
+    alive when profiling begins and never enter the profiler's running total."""
+    if trainer.pipeline is None:
+        return 0
+    sched = trainer.pipeline.schedule
+    stages = getattr(sched, "_stages", None) or [sched._stage]
+    seen, total = set(), 0
+    for st in stages:
+        for infos in (*st.args_recv_info.values(), *st.grad_recv_info.values()):
+            for info in infos:
+                buf = getattr(info, "buffer", None)
+                if isinstance(buf, torch.Tensor) and buf.untyped_storage().data_ptr() not in seen:
+                    seen.add(buf.untyped_storage().data_ptr())
+                    total += buf.untyped_storage().nbytes()
+    return total
 
 
 def _local_numel(t) -> int:
@@ -103,7 +131,7 @@ def _peak_allocated(prof) -> int:
     return peak
 
 
-def _measure(rank, world, argv, folder):
+def _measure(rank, world, argv, folder, keep_outputs=False):
     from torch.profiler import ProfilerActivity, profile
 
     from torchtitan.config import ConfigManager
@@ -113,12 +141,16 @@ def _measure(rank, world, argv, folder):
 
     cfg = ConfigManager().parse_args(COMMON + argv + ["--job.dump_folder", folder])
     trainer = Trainer(cfg)
+    if keep_outputs:  # as torch's schedules did before `return_outputs` (2025): the last stage keeps its outputs
+        step = trainer.pipeline.schedule.step
+        trainer.pipeline.schedule.step = lambda *a, return_outputs=True, **k: step(*a, return_outputs=True, **k)
     try:
         trainer.train()  # one step: optimizer state exists from here on
         data = iter(trainer.dataloader)
         mbs = trainer._next_microbatches(data)
         data_bytes = sum(t.numel() * t.element_size() for mb in mbs for t in mb)
-        baseline = _live_tensor_bytes(trainer) + data_bytes
+        # (Rows measured before 2026-12-04 19:00 UTC left the receive buffers out: docs/planning.md says which.)
+        baseline = _live_tensor_bytes(trainer) + data_bytes + _recv_buffer_bytes(trainer)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             trainer.train_step(mbs)
         peak = _peak_allocated(prof)
@@ -134,6 +166,8 @@ def _measure(rank, world, argv, folder):
             pp_rank=pd.coordinate("pp")[0], stages_per_rank=len(parts),
             fsdp_shard_params=sum(_local_numel(p) for m in parts for p in m.parameters() if p.requires_grad),
         )
+        if keep_outputs and work.holds_output:
+            work = dataclasses.replace(work, pp_kept_outputs=trainer.pipeline.plan.n_microbatches)
         state = StateBytes(params=s["params"], grads=s["params"], optimizer=s["optimizer"], buffers=buffers)
         estimate = estimate_memory(shape, state, work)
         return baseline + peak, estimate
@@ -153,7 +187,7 @@ def main() -> None:
     for name, (world, extra) in RUNS.items():
         if args.only and name not in args.only:
             continue
-        results = run_ranks(_measure, world, extra, tempfile.mkdtemp(prefix="bench_mem_"))
+        results = run_ranks(_measure, world, extra, tempfile.mkdtemp(prefix="bench_mem_"), name in KEEP_OUTPUTS)
         measured, est = max(results, key=lambda r: r[0])
         rows.append((name, measured, est))
         print(f"{name}: measured {measured / 2**20:.1f} MiB, estimated {est.peak / 2**20:.1f} MiB", flush=True)

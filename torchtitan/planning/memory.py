@@ -12,6 +12,8 @@
          + PP receive buffers: torch's PipelineStage allocates, up front and for good, one activation
            buffer per microbatch for each local stage but the first and one gradient buffer per
            microbatch for each but the last (sequence-parallel boundary activations)
+         + PP, the last stage, when the schedule returns its outputs (torch before 2025 always did; the trainer
+           passes return_outputs=False): every microbatch's logits kept until the step ends, then concatenated
          + allocator overhead (CUDA caching allocator: a stated fraction; CPU: none)
          + CUDA context and NCCL buffers (GPU: a stated constant; CPU: none)
 
@@ -179,6 +181,14 @@ class RankWork:
     pp_recv_buffers: int = 0
     """PP: receive buffers torch's PipelineStage allocates up front and keeps, one per microbatch for the
     activations of each of this rank's stages but the first and for the gradients of each but the last."""
+    pp_kept_outputs: int = 0
+    """PP, the rank holding the last stage: microbatch outputs (the logits) torch's PipelineStage keeps for the
+    schedule's return value, `output_chunks`, until the step ends (torch before 2025 always did; now only with
+    `step(return_outputs=True)`: this repository's trainer passes False, so 0 for its jobs). The last microbatch
+    runs with the n - 1 earlier ones kept, counted on top of the in-flight peak: exact for 1F1B, whose last rank
+    has one microbatch in flight, and for Interleaved1F1B with as many microbatches as ranks (torch's order keeps
+    the last rank's in-flight peak through every last-stage backward: planning.schedule_order), an upper bound
+    otherwise. At the step's end the schedule concatenates all n into a new tensor beside them."""
     on_gpu: bool = False
     loss_chunk_tokens: int = 0
     """Chunked loss (training.loss_chunk_size): tokens of one chunk (its positions x the microbatch's
@@ -358,6 +368,9 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
         # Sequence-parallel (1/tp) boundary activations; the stage inputs in flight are among them.
         "PP receive buffers": int(w.pp_recv_buffers * tokens * shape.dim / w.tp * w.act_bytes),
     }
+    logits_bytes = int(tokens * vocab_local * w.act_bytes)  # one microbatch's output of the last stage
+    if w.pp_kept_outputs and w.holds_output:
+        c["PP outputs kept (last stage)"] = (w.pp_kept_outputs - 1) * logits_bytes
     if w.unsharded_grad_params:
         c["gradients"] = 0  # the sharded gradients appear only as the last microbatch reduce-scatters
         c["FSDP unsharded gradients"] = 4 * w.unsharded_grad_params
@@ -392,6 +405,13 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
         during = activations + replay + grads
         at_start = activations + loss_temp + c["gradients"] + c.get("FSDP unsharded gradients", 0)
         c["block backward (beyond the above)"] = max(0, during - at_start)
+    # At the step's end, with outputs kept, the schedule concatenates them into its return value: activations and
+    # the loss's temporaries are gone, and so are FSDP's gathered stage and unsharded gradients (the last backward
+    # reduce-scatters and reshards): the sharded gradients and the receive buffers remain.
+    if w.pp_kept_outputs and w.holds_output:
+        at_end = (state.params + state.grads + state.optimizer + state.buffers + c["PP receive buffers"]
+                  + 2 * w.pp_kept_outputs * logits_bytes)
+        c["PP outputs merged (step end, beyond the above)"] = max(0, at_end - sum(c.values()))
     # The optimizer step runs after backward: activations are gone and every gradient is live. Its
     # workspace counts only as far as it takes the step above the forward/backward peak.
     if state.step_workspace:

@@ -298,7 +298,8 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
              global_batch_size: int, mfu: float | None = None, network: Network = FLAT_NETWORK,
              features: Features = Features(), memory_headroom: float = 0.0, budget_bytes: float = 0.0,
              offload_bandwidth: float = OFFLOAD_BANDWIDTH_CUDA * 1e9, host_bytes: float = 0.0,
-             cp_method: tuple[str, int] | None = None, cp_kv_heads: int | None = None) -> Candidate:
+             cp_method: tuple[str, int] | None = None, cp_kv_heads: int | None = None,
+             pp_outputs_kept: bool = False) -> Candidate:
     """Memory and step time of one layout; raises LayoutError when the layout cannot run and MemoryError
     when its estimated peak exceeds the device's memory less `memory_headroom` (a fraction kept free), or
     `budget_bytes` (--memory-budget-gib) when that is lower. Layout.ac == "budget": the blocks' choices are
@@ -308,7 +309,8 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
     matmuls reach, instead of the device's (Device.gemm_eff). `cp_method` ((method, a2a degree)): the CP method
     a run used, instead of the fastest that can run (a published run is priced as it ran); `cp_kv_heads`: the
     k/v heads the attention receives, instead of the model's (torchtitan before 2025 repeated k/v to the query
-    heads before SDPA, so its ring CP moved n_heads of them)."""
+    heads before SDPA, so its ring CP moved n_heads of them); `pp_outputs_kept`: the last pipeline stage keeps every
+    microbatch's output for the schedule's return value (torch before 2025; RankWork.pp_kept_outputs)."""
     L = layout
     if mfu is not None:
         device = dataclasses.replace(device, gemm_eff=mfu)
@@ -377,6 +379,7 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
             pp_recv_buffers=pp_recv_buffer_count(n_mb, len(stages), "tok_embeddings" in names, "output" in names)
             if L.pp > 1 else 0,
             loss_compiled=features.loss_compiled, loss_parallel=L.tp > 1,
+            pp_kept_outputs=n_mb if L.pp > 1 and pp_outputs_kept and "output" in names else 0,
         )
         est = estimate_memory(shape, state, work)
         if L.ac == BUDGET_AC:

@@ -205,6 +205,10 @@ class PublishedRun:
     kv_repeated: bool = False
     """The code of the run repeated k/v to the query heads before attention (torchtitan's Llama until 2025:
     `repeat_kv` before `F.scaled_dot_product_attention`), so its ring CP gathered n_heads of k/v."""
+    pp_outputs_kept: bool = False
+    """The run's torch kept every microbatch's output on the last pipeline stage until the step ended
+    (`PipelineStage.output_chunks`, for the schedule's return value: torch before 2025 always did;
+    RankWork.pp_kept_outputs)."""
 
     def predict(self) -> Candidate:
         """The model's prediction for the layout as it ran, memory not judged (it ran). CP is priced as the run
@@ -214,7 +218,8 @@ class PublishedRun:
         roomy = dataclasses.replace(get_device(self.device), memory_bytes=float("inf"))
         return evaluate(shape, self.layout, roomy, self.devices, self.seq_len, self.global_batch_size,
                         network=self.network, features=self.features, cp_method=("ring", 0),
-                        cp_kv_heads=shape.n_heads if self.kv_repeated else None)
+                        cp_kv_heads=shape.n_heads if self.kv_repeated else None,
+                        pp_outputs_kept=self.pp_outputs_kept)
 
     @property
     def choices(self) -> tuple:
@@ -237,6 +242,9 @@ _H200 = ("torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md (Trainy, Ju
 _A100 = ("torchtitan docs/performance.md (2024 version, github.com/pytorch/torchtitan): FSDP2 on 64 A100 80GB, "
          "no compile, no Float8")
 _A100_NET = "the host network is not stated: 200 Gb/s per GPU (hardware.py A100) assumed"
+_ATP = ("torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (PyTorch team, June 2025; its table is an "
+        "image, transcribed as text in torchtitan/models/llama3/README.md): Grand Teton, 8 H100 96GB HBM2e per host "
+        "at a 500 W limit, NVLink, 400 Gb/s RDMA per GPU; seq 8192 (the recipes'), torch.compile, FSDP x TP 8")
 _OP_TT = ("torchtitan's op SAC of the time recomputes every other matmul (op_half_matmuls)")
 # torchtitan's train.py of Dec 2024 left the loss eager under --training.compile (Features.eager_loss).
 _EAGER = Features(eager_loss=True)
@@ -294,19 +302,19 @@ CORPUS = (
                  Layout(1, 8, 1, 8, 8, "full", 32, _tt_pp_default(32, 8), "1F1B"), 100,
                  f"{_DEC24}, Table 5 row 1F1B", _F8_ALL, memory_gib=82.5,
                  assumed="microbatches = PP degree (torchtitan's default then: 8 of 4); float8 all-gather (the "
-                         "405B recipe's then)"),
+                         "405B recipe's then)", pp_outputs_kept=True),
     PublishedRun("T5 405B 512 GPUs Interleaved 1F1B", "405B", "H100-96GB", 512, 8192, 256,
                  Layout(1, 8, 1, 8, 8, "full", 32, _tt_pp_default(32, 8), "Interleaved1F1B"), 128,
                  f"{_DEC24}, Table 5 row Interleaved 1F1B", _F8_ALL, memory_gib=72.7,
                  assumed="2 stages per rank and microbatches = PP degree (torchtitan's defaults then: 8 of 4; "
-                         "first entered as 16 of 2, corrected from PR #781 after the held-out miss); float8 all-gather"),
+                         "first entered as 16 of 2, corrected from PR #781 after the held-out miss); float8 all-gather", pp_outputs_kept=True),
     # Table 6: Llama 3.1 405B, 512 GPUs (TP 8, PP 8), FSDP x CP = 8, compile + Float8 + async TP + 1F1B, local
     # batch 8, full AC.
     *(PublishedRun(f"T6 405B 512 GPUs FSDP {8 // cp} CP {cp} seq {seq}", "405B", "H100-96GB", 512, seq, 8 * (8 // cp),
                    Layout(1, 8 // cp, cp, 8, 8, "full", 8, _tt_pp_default(8, 8), "1F1B"), tps,
                    f"{_DEC24}, Table 6 row FSDP {8 // cp}, CP {cp}", _F8_ALL, memory_gib=mem,
                    assumed="global batch = local batch 8 x FSDP degree; 8 microbatches of 1; float8 all-gather",
-                   kv_repeated=True)
+                   kv_repeated=True, pp_outputs_kept=True)
       for cp, seq, tps, mem in ((1, 32768, 76, 75.3), (2, 65536, 47, 75.9), (4, 131072, 31, 77.1),
                                 (8, 262144, 16, 84.9))),
     # H200: Llama 3.1 8B, FSDP over 4 and 8 hosts.
@@ -350,13 +358,31 @@ CORPUS = (
                  400e12 / flops_per_token(_405B, 8192), f"{_LLAMA3}: 400 TFLOP/s/GPU at TP 8, CP 1, PP 16, DP 128",
                  network=LLAMA3_RDMA_CLUSTER,
                  assumed="as the 8,192-GPU run"),
+    # Added after the fitting rule and after every figure above was printed (docs/planning.md, "Runs added after
+    # the rule"): at the end, so the runs above keep their split. torchtitan's async-TP benchmark of June 2025
+    # (vanilla TP, then async TP, each in bf16 and Float8 tensorwise), as torchtitan's Llama 3 README gives its
+    # table in text.
+    *(PublishedRun(f"ATP {model} {devices} GPUs FSDP {devices // 8} TP 8{' + Float8' if f8 else ''}"
+                   f"{' + async TP' if atp else ''}", model, "H100-96GB", devices, 8192, devices // 8 * lbs,
+                   Layout(1, devices // 8, 1, 8, 1, ac, lbs), tps,
+                   f"{_ATP}; row {model} ({devices} H100s) {'Float8 tensorwise' if f8 else 'BF16'}, "
+                   f"{'Async' if atp else 'Vanilla'} TP",
+                   Features(float8=f8, async_tp=atp, compile=True),
+                   assumed=f"{assumed}; the recipe's bf16 all-gather (no --float8.enable_fsdp_float8_all_gather in "
+                           "the command)" if f8 else assumed)
+      for model, devices, ac, lbs, assumed, rows in (
+          ("70B", 256, "full", 16, "global batch = local batch 16 x FSDP 32", ((False, 597, 652), (True, 810, 942))),
+          ("8B", 64, "op_half_matmuls", 12, f"global batch = local batch 12 x FSDP 8; {_OP_TT}",
+           ((False, 4378, 4809), (True, 5078, 5570))))
+      for f8, vanilla, async_ in rows for atp, tps in ((False, vanilla), (True, async_))),
 )
 """The corpus, in a fixed order (source, then table, then row). Left out, with the reason (docs/planning.md):
 the Llama 3 paper's 131K-sequence row (CP 16: its TFLOP/s -> tokens/s depends by ~40% on whether causal
-attention is counted half, which the paper does not say); torchtitan's async-TP benchmark of June 2025 (its
-numbers are an image); Megatron-LM's and MaxText's scaling tables (GPT blocks and TPUs: shapes and devices this
-model does not describe yet); NeMo's Megatron-Core table (a virtual-pipeline split torch cannot make, TP/CP
-overlap priced exposed here, AC not stated); MoE runs (no all-to-all in the step-time model)."""
+attention is counted half, which the paper does not say); Megatron-LM's and MaxText's scaling tables (GPT blocks
+and TPUs: shapes and devices this model does not describe yet); NeMo's Megatron-Core table (a virtual-pipeline
+split torch cannot make, TP/CP overlap priced exposed here, AC not stated); MoE runs (no all-to-all in the
+step-time model). torchtitan's async-TP benchmark of June 2025, first left out because its table is an image,
+was added after the rule (the last 8 runs) from torchtitan's Llama 3 README, which gives that table in text."""
 
 TRAINING = CORPUS[0::2]
 """The fitting rule, fixed before any prediction was looked at: every other run in corpus order, starting
@@ -417,8 +443,8 @@ def single_choice_pairs(runs=CORPUS) -> list[tuple[PublishedRun, PublishedRun, s
     pairs = []
     for i, a in enumerate(runs):
         for b in runs[i + 1:]:
-            if a.setting != b.setting:
-                continue
+            if a.setting != b.setting or a.features.eager_loss != b.features.eager_loss:
+                continue  # (an eager or compiled loss is the code of the time, late 2024 or 2025: not a choice)
             fa, fb = dataclasses.asdict(a.features), dataclasses.asdict(b.features)
             feats = [k for k in fa if fa[k] != fb[k]]
             la, lb = dataclasses.asdict(a.layout), dataclasses.asdict(b.layout)
@@ -436,9 +462,9 @@ def single_choice_pairs(runs=CORPUS) -> list[tuple[PublishedRun, PublishedRun, s
     return pairs
 
 
-HELD_OUT_RATIO_RANGE = (0.92, 1.14)
+HELD_OUT_RATIO_RANGE = (0.86, 1.14)
 """Predicted / published tokens/s over HELD_OUT, rounded outward to 0.01 (tests/unit/test_planner.py checks it
-against the corpus): a prediction P stands for a published figure in [P / 1.14, P / 0.92]."""
+against the corpus): a prediction P stands for a published figure in [P / 1.14, P / 0.86]."""
 HELD_OUT_MEDIAN_ERROR = 0.05
 """Median |predicted / published - 1| over HELD_OUT, rounded up (checked by the same test)."""
 
