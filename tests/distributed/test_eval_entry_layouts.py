@@ -47,23 +47,10 @@ def _seed_checkpoint(path) -> None:
 
 
 def _hf_folder(path):
-    transformers = pytest.importorskip("transformers")
-    from torchtitan.components.tokenizer.backends import build_tokenizer
-    from torchtitan.components.tokenizer.hf_export import save_hf_tokenizer
+    pytest.importorskip("transformers")
+    from tests.unit.test_eval_harness_parity import _hf_folder as random_llama_folder  # same model, same window
 
-    config = transformers.LlamaConfig(
-        vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=WINDOW, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}, bos_token_id=2000, eos_token_id=2001)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # weights large enough that the choices' log-likelihoods differ
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
-    model.save_pretrained(path)
-    save_hf_tokenizer(build_tokenizer(None), str(path))
-    return model
+    return random_llama_folder(path)
 
 
 def _score(rank, world_size, argv, out, redraw_on):

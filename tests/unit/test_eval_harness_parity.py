@@ -140,7 +140,9 @@ doc_to_choice: ["A", "B", "C", "D"]
         shipped.replace("test: stdlib_next_line.jsonl", f"test: {SHIPPED_DIR / 'stdlib_next_line.jsonl'}"))
 
 
-def _hf_folder(path) -> None:
+def _hf_folder(path):
+    """A random Llama with the shipped tokenizer, saved as a Hugging Face folder at `path`; returns the model
+    (also used by tests/distributed/test_eval_entry_layouts.py)."""
     from torchtitan.components.tokenizer.backends import build_tokenizer
     from torchtitan.components.tokenizer.hf_export import save_hf_tokenizer
 
@@ -156,6 +158,7 @@ def _hf_folder(path) -> None:
                 p.normal_(0, 0.15)
     model.save_pretrained(path)
     save_hf_tokenizer(build_tokenizer(None), str(path))
+    return model
 
 
 def _harness(folder, tasks_dir, names):
