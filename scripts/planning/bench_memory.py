@@ -131,6 +131,12 @@ def _peak_allocated(prof) -> int:
     return peak
 
 
+def _stage_shares(parts) -> tuple[float, ...] | None:
+    """Each local pipeline stage's share of the rank's trainable parameter elements (parts in stage order)."""
+    counts = [sum(_local_numel(p) for p in m.parameters() if p.requires_grad) for m in parts]
+    return tuple(n / sum(counts) for n in counts) if len(counts) > 1 else None
+
+
 def _measure(rank, world, argv, folder, keep_outputs=False):
     from torch.profiler import ProfilerActivity, profile
 
@@ -165,6 +171,7 @@ def _measure(rank, world, argv, folder, keep_outputs=False):
             holds_output=any(getattr(m, "output", None) is not None for m in parts),
             pp_rank=pd.coordinate("pp")[0], stages_per_rank=len(parts),
             fsdp_shard_params=sum(_local_numel(p) for m in parts for p in m.parameters() if p.requires_grad),
+            stage_shares=_stage_shares(parts),
         )
         if keep_outputs and work.holds_output:
             work = dataclasses.replace(work, pp_kept_outputs=trainer.pipeline.plan.n_microbatches)

@@ -76,13 +76,13 @@ def test_published_cases_where_the_planner_agrees():
     model change that moves them shows here."""
     agree = {case.name: comparison(case).rank == 1 or comparison(case).gap < TIE for case in PUBLISHED}
     assert agree == {"Llama 3.1 8B, 8 H100": True, "Llama 3.1 8B, 128 H100": True, "Llama 3.1 70B, 256 H100": False,
-                     "Llama 3.1 405B, 512 H100": False, "Llama 3 405B, 16K H100": False,
+                     "Llama 3.1 405B, 512 H100": False, "Llama 3 405B, 16K H100": True,
                      "Llama 3 405B, 8K H100": False}
     # Given the parallelisms each run composed (--parallelisms), the planner picks its degrees in more cases.
     within = {case.name: comparison(case).within[0] == 1 or comparison(case).within[1] < TIE for case in PUBLISHED}
     assert within == {"Llama 3.1 8B, 8 H100": True, "Llama 3.1 8B, 128 H100": True, "Llama 3.1 70B, 256 H100": False,
-                      "Llama 3.1 405B, 512 H100": False, "Llama 3 405B, 16K H100": False,
-                      "Llama 3 405B, 8K H100": True}
+                      "Llama 3.1 405B, 512 H100": False, "Llama 3 405B, 16K H100": True,
+                      "Llama 3 405B, 8K H100": False}
 
 
 @pytest.mark.parametrize("pair", single_choice_pairs(), ids=lambda p: f"{p[2]}: {p[0].name} -> {p[1].name}")
@@ -149,9 +149,12 @@ def test_the_heaviest_pipeline_rank_decides_whether_a_layout_fits():
     # rank 1: 4 stages of 2 blocks, all 16 microbatches' forwards in flight (rank 0 holds 7 blocks)
     by_hand = 16 * 8 * 8192 * block_elems_per_token(shape("405B"), "op", tp=8) * 2
     assert c.memory.components["activations"] == pytest.approx(by_hand, rel=1e-6)
-    assert c.memory.peak > get_device("H100-80GB").memory_bytes
+    # (of its 4 stages' gradients, fp32, only the last stage's exist at that moment: RankWork.pp_moments)
+    assert c.memory.components["FSDP unsharded gradients"] == pytest.approx(
+        c.memory.components["FSDP gathered stage (PP)"] / 2 * 4 / 4, rel=0.01)
+    assert c.memory.peak > 0.9 * get_device("H100-80GB").memory_bytes
     with pytest.raises(MemoryError):
-        evaluate(shape("405B"), layout, get_device("H100-80GB"), 16384, 8192, 2048)
+        evaluate(shape("405B"), layout, get_device("H100-80GB"), 16384, 8192, 2048, memory_headroom=0.1)
 
 
 @pytest.mark.parametrize("case", PUBLISHED, ids=lambda c: c.name)
@@ -201,11 +204,13 @@ def test_the_last_stage_keeps_its_outputs_as_torch_did_before_2025(monkeypatch):
     assert "PP outputs kept (last stage)" not in plain
 
 
-def test_the_405b_memory_misses_are_not_a_tensor_term(monkeypatch):
-    """docs/planning.md, "Why no tensor term closes it": two published pairs of the 405B family hold equal tensors,
-    or tensors ordered the other way, yet report 7-10 GiB apart, so no estimate built from the tensors a rank
-    holds can follow both. The estimator's own per-rank figures show the premise: T5 1F1B and T6 CP 1 are equal
-    on every pipeline rank it judges, and T5 Interleaved's first rank holds more than T5 1F1B's."""
+def test_the_405b_memory_pairs_a_tensor_estimate_can_and_cannot_follow(monkeypatch):
+    """docs/planning.md, "Cases it still misses": T5 1F1B and T6 CP 1 hold equal tensors on every pipeline rank the
+    planner judges, yet report 7 GiB apart, so an estimate built from tensors can sit between them but not follow
+    the difference. T5 Interleaved 1F1B reports 9.8 GiB less than T5 1F1B, and the estimate orders them so too:
+    its first rank makes its later stage's gradients first, while the most activations are alive, and the
+    earlier stage's only after half of those are freed (RankWork.pp_moments), 6-7 GiB less than 1F1B's first
+    rank; its peak rank (the last, with the kept outputs) is within 10% of the published figure."""
     by_name = {r.name: r for r in CORPUS}
 
     def ranks(run):
@@ -218,14 +223,15 @@ def test_the_405b_memory_misses_are_not_a_tensor_term(monkeypatch):
         monkeypatch.setattr(planner, "estimate_memory", recorded)
         run.predict()
         monkeypatch.undo()
-        return [e.allocator_reserved for e in seen]
+        return [e.allocator_reserved / 2**30 for e in seen]
 
     one_f1b, cp1 = by_name["T5 405B 512 GPUs 1F1B"], by_name["T6 405B 512 GPUs FSDP 8 CP 1 seq 32768"]
     interleaved = by_name["T5 405B 512 GPUs Interleaved 1F1B"]
     assert ranks(one_f1b) == ranks(cp1)
     assert one_f1b.memory_gib - cp1.memory_gib > 7
-    assert ranks(interleaved)[0] > ranks(one_f1b)[0]
     assert one_f1b.memory_gib - interleaved.memory_gib > 9
+    assert 5 < ranks(one_f1b)[0] - ranks(interleaved)[0] < 10
+    assert 0.9 <= max(ranks(interleaved)) / interleaved.memory_gib <= 1.1
 
 
 def test_the_busiest_pipeline_rank_sets_the_pace():

@@ -35,3 +35,31 @@ def test_the_planner_weighs_zero_bubble_schedules_where_they_can_run():
     assert ranked[0].layout.schedule in SPLIT_BACKWARD and ranked[0].layout.ac == "none"
     assert all(c.layout.ac == "none" for c in ranked if c.layout.schedule in SPLIT_BACKWARD)
     assert any(c.layout.ac != "none" for c in ranked)  # the other schedules keep every AC mode
+
+
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                                      "DualPipeV"])
+def test_gradient_moments_follow_the_played_order(schedule):
+    """pp_moments: the largest activations alive among a rank's moments is the in-flight peak the estimator
+    already used; every rank ends with all its gradients made; no moment is dominated by another."""
+    from torchtitan.planning.memory import in_flight_microbatches, pp_moments
+
+    for rank in range(4):
+        moments = pp_moments(schedule, 8, 4, rank, 2, 0.45)
+        peak = in_flight_microbatches(schedule, 8, 4, rank, 2, 0.45)
+        assert max(m.in_flight for m in moments) == pytest.approx(peak)
+        assert max(m.grad_share for m in moments) == pytest.approx(1.0)
+        for a in moments:
+            assert not any(b != a and b.in_flight >= a.in_flight and b.grad_share >= a.grad_share for b in moments)
+    assert pp_moments("1F1B", 8, 4, 0, 1) == ()
+
+
+def test_interleaved_first_rank_peaks_before_its_first_stage_has_gradients():
+    """405B's published Interleaved1F1B (pp 8, 2 stages per rank, 8 microbatches): rank 0 runs all 16 forwards,
+    then its later stage's 8 backwards (that stage's gradients made, all 16 forwards alive at the first), then
+    its first stage's with 8 left alive. Unequal stages weigh the share by their parameters."""
+    from torchtitan.planning.memory import PPMoment, pp_moments
+
+    assert pp_moments("Interleaved1F1B", 8, 8, 0, 2) == (PPMoment(4.0, 1.0), PPMoment(8.0, 0.5))
+    assert pp_moments("Interleaved1F1B", 8, 8, 0, 2, stage_shares=(0.6, 0.4)) == (PPMoment(4.0, 1.0),
+                                                                                   PPMoment(8.0, 0.4))

@@ -147,6 +147,13 @@ def _bytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
+def _stage_shares(stages: list) -> tuple[float, ...] | None:
+    """Each of the rank's pipeline stages' share of its trainable parameter elements, in stage order."""
+    counts = [sum(_local(p).numel() for p in s.submod.parameters() if p.requires_grad)
+              for s in sorted(stages, key=lambda s: s.stage_index)]
+    return tuple(n / sum(counts) for n in counts) if len(counts) > 1 and sum(counts) else None
+
+
 def compress_names(names: Sequence[str]) -> tuple[str, ...]:
     """("tok_embeddings", "layers.0", "layers.1", "layers.2", "norm") -> ("tok_embeddings", "layers.0-2", "norm")."""
     out: list[str] = []
@@ -239,6 +246,7 @@ def rank_report(
             holds_output=any(getattr(p, "output", None) is not None for p in parts), shape=shape,
             pp_rank=pp_rank, stages_per_rank=max(1, len(stages)), on_gpu=on_gpu,
             fsdp_shard_params=sum(_local(p).numel() for p in trainable),
+            stage_shares=_stage_shares(stages),
         )
         step_bytes, muon_largest = muon_step_bytes(muon, rank, cfg.optimizer, on_gpu)
         state = StateBytes(param_bytes, grad_bytes, optimizer_bytes, buffer_bytes, step_bytes)

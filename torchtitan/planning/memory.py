@@ -189,6 +189,11 @@ class RankWork:
     has one microbatch in flight, and for Interleaved1F1B with as many microbatches as ranks (torch's order keeps
     the last rank's in-flight peak through every last-stage backward: planning.schedule_order), an upper bound
     otherwise. At the step's end the schedule concatenates all n into a new tensor beside them."""
+    pp_moments: tuple["PPMoment", ...] = ()
+    """PP with several stages on this rank and several microbatches: the moments of its schedule that can be its
+    peak (`pp_moments`), each with what is alive then; the estimate is the largest. Empty: `in_flight` with
+    every gradient, and on the last stage its loss's temporaries (exact with one stage per rank, whose first
+    backward starts at its in-flight peak)."""
     on_gpu: bool = False
     loss_chunk_tokens: int = 0
     """Chunked loss (training.loss_chunk_size): tokens of one chunk (its positions x the microbatch's
@@ -218,6 +223,16 @@ class RankWork:
     """With a per-block plan: the largest a block holds during its own backward beyond what it kept (what
     recomputation rebuilds, offloaded groups read back). It comes after the loss's temporaries are freed, with
     the gradients of the blocks already done: see estimate_memory's "block backward" term."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PPMoment:
+    """A moment of a pp rank's step, played from torch's order (`pp_moments`)."""
+
+    in_flight: float
+    """(stage, microbatch) activations alive, in units of one microbatch through all the rank's stages."""
+    grad_share: float
+    """Share of the rank's gradients made so far: a stage's appear at its first full or weight-gradient pass."""
 
 
 @dataclasses.dataclass
@@ -318,7 +333,19 @@ MUON_STEP_COMPONENT = "Muon step (beyond backward)"
 
 
 def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> MemoryEstimate:
+    """The rank's peak, by component. With `work.pp_moments`, the largest over those moments of the step."""
+    if not work.pp_moments or work.block_activation_bytes is not None:
+        return _estimate(shape, state, work, grad_share=1.0)
+    return max((_estimate(shape, state, dataclasses.replace(work, in_flight=m.in_flight), m.grad_share)
+                for m in work.pp_moments), key=lambda e: e.peak)
+
+
+def _estimate(shape: ModelShape, state: StateBytes, work: RankWork, grad_share: float) -> MemoryEstimate:
+    """The peak with `work.in_flight` microbatches alive and `grad_share` of the gradients that accumulate over
+    several microbatches made (1 without PP moments; the loss's temporaries, on the last stage, are counted
+    at every moment: an upper bound)."""
     w = work
+    live_grads = int(state.grads * grad_share)
     tokens = w.tokens_per_microbatch / w.cp
     vocab_local = shape.vocab / w.tp
     blocks = block_elems_per_token(shape, w.ac, w.tp) * w.blocks * w.act_bytes
@@ -359,7 +386,7 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
         fsdp_buffers = int(shape.block_params / w.tp * (2 * w.gathered_param_bytes + grad_buffer))
     c = {
         "parameters": state.params,
-        "gradients": state.grads,
+        "gradients": live_grads,
         "optimizer state": state.optimizer,
         "buffers": state.buffers,
         "activations": activations,
@@ -373,7 +400,7 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
         c["PP outputs kept (last stage)"] = (w.pp_kept_outputs - 1) * logits_bytes
     if w.unsharded_grad_params:
         c["gradients"] = 0  # the sharded gradients appear only as the last microbatch reduce-scatters
-        c["FSDP unsharded gradients"] = 4 * w.unsharded_grad_params
+        c["FSDP unsharded gradients"] = int(4 * w.unsharded_grad_params * grad_share)
         if w.params_stay_gathered:
             c["FSDP gather/reduce buffers"] = 0
             c["FSDP gathered stage (PP)"] = w.gathered_param_bytes * w.unsharded_grad_params
@@ -391,7 +418,7 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
     # backward, at the first block's with every gradient made). The peak is the larger of this and the start
     # of backward (activations + loss temporaries, counted above).
     if w.block_activation_bytes is not None and w.block_transient_bytes:
-        grads = c.get("FSDP unsharded gradients", state.grads)
+        grads = c.get("FSDP unsharded gradients", live_grads)
         during = w.block_activation_bytes + w.block_transient_bytes + grads
         at_start = activations + loss_temp + c["gradients"] + c.get("FSDP unsharded gradients", 0)
         c["block backward (beyond the above)"] = max(0, during - at_start)
@@ -400,7 +427,7 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
         # forward first, so one microbatch's activations of a block without AC live beside everything kept (its
         # own input is among those), with every gradient already made (the unsharded ones under FSDP with
         # several microbatches; all of them at the first block).
-        grads = c.get("FSDP unsharded gradients", state.grads)
+        grads = c.get("FSDP unsharded gradients", live_grads)
         replay = int(tokens * (block_elems_per_token(shape, "none", w.tp) - shape.dim / w.tp) * w.act_bytes)
         during = activations + replay + grads
         at_start = activations + loss_temp + c["gradients"] + c.get("FSDP unsharded gradients", 0)
@@ -487,6 +514,46 @@ def _peak_stage_activations(
     return tuple(peaks)
 
 
+def pp_moments(schedule: str, n_microbatches: int, pp: int, pp_rank: int, stages_per_rank: int,
+               pending_weight: float = 0.0, stage_shares: tuple[float, ...] | None = None) -> tuple[PPMoment, ...]:
+    """RankWork.pp_moments of a pp rank: torch's action order for the rank walked pass by pass, keeping the
+    moments no other exceeds in both activations alive and gradients made. A stage's weight gradients are made
+    in its first full or weight-gradient pass, counted from that pass's start, when the microbatch it
+    differentiates is still alive. `stage_shares`: each local stage's share of the rank's trainable
+    parameters, in stage order (equal when None). () with one stage per rank (its first backward starts at
+    its in-flight peak, with every gradient of the rank made during it)."""
+    if stages_per_rank == 1:
+        return ()
+    shares = stage_shares or (1 / stages_per_rank,) * stages_per_rank
+    return tuple(PPMoment(alive / stages_per_rank, sum(shares[i] for i in made))
+                 for alive, made in _moments(schedule, n_microbatches, pp, stages_per_rank,
+                                             round(pending_weight, 3))[pp_rank])
+
+
+@functools.lru_cache(maxsize=256)
+def _moments(schedule: str, n_microbatches: int, pp: int, stages_per_rank: int, pending_weight: float) -> tuple:
+    """Per pp rank, its undominated moments: (activations alive, local stages whose gradients exist)."""
+    order = schedule_order(schedule, n_microbatches, pp, stages_per_rank)
+    change = {F: (1, 0), B: (-1, 0), I: (0, 1), W: (-1, -1)}
+    per_rank = []
+    for rank in range(pp):
+        local = sorted({p.stage_index for a in order[rank] for p in passes(a)})
+        alive = pending = 0
+        made: set[int] = set()
+        moments = set()
+        for action in order[rank]:
+            for sub in passes(action):
+                if sub.computation_type in (B, W):
+                    made.add(local.index(sub.stage_index))
+                moments.add((alive + pending_weight * pending, frozenset(made)))
+                d_alive, d_pending = change.get(sub.computation_type, (0, 0))
+                alive, pending = alive + d_alive, pending + d_pending
+                moments.add((alive + pending_weight * pending, frozenset(made)))
+        top = [m for m in moments if not any(o != m and o[0] >= m[0] and o[1] >= m[1] for o in moments)]
+        per_rank.append(tuple(sorted(top, key=lambda m: (m[0], sorted(m[1])))))
+    return tuple(per_rank)
+
+
 def pp_recv_buffer_count(n_microbatches: int, stages_per_rank: int, holds_first: bool, holds_last: bool) -> int:
     """Receive buffers a pp rank keeps (RankWork.pp_recv_buffers): per microbatch, one activation buffer
     per local stage that is not the first and one gradient buffer per local stage that is not the last."""
@@ -495,10 +562,10 @@ def pp_recv_buffer_count(n_microbatches: int, stages_per_rank: int, holds_first:
 
 def rank_work(cfg, parallel_dims, grad_accum: int, *, blocks: int, holds_embedding: bool, holds_output: bool,
               shape: ModelShape, pp_rank: int = 0, stages_per_rank: int = 1, on_gpu: bool = False,
-              fsdp_shard_params: int = 0) -> RankWork:
+              fsdp_shard_params: int = 0, stage_shares: tuple[float, ...] | None = None) -> RankWork:
     """RankWork of a job's rank from its config and layout (what the dry run knows about it);
     `fsdp_shard_params` = the rank's trainable parameter elements (its FSDP shard), for FSDP with
-    several microbatches."""
+    several microbatches; `stage_shares`: each of its pipeline stages' share of them (pp_moments)."""
     pd, t, p = parallel_dims, cfg.training, cfg.parallelism
     compute = t.mixed_precision_param if (pd.fsdp_enabled or t.dtype == "float32") else t.dtype
     if compute == "auto":
@@ -513,8 +580,11 @@ def rank_work(cfg, parallel_dims, grad_accum: int, *, blocks: int, holds_embeddi
         in_flight = in_flight_microbatches(p.pipeline_parallel_schedule, n_mb, pd.pp, pp_rank, stages_per_rank, pending)
         recv = pp_recv_buffer_count(n_mb, stages_per_rank, holds_embedding, holds_output)
         grads_live = n_mb > 1 or grad_accum > 1
+        moments = pp_moments(p.pipeline_parallel_schedule, n_mb, pd.pp, pp_rank, stages_per_rank, pending,
+                             stage_shares) if n_mb > 1 else ()
     else:
         tokens, in_flight, grads_live, recv = t.local_batch_size * t.seq_len, 1, grad_accum > 1, 0
+        moments = ()
     chunk = t.loss_chunk_size
     if chunk == -1:  # auto: the trainer's rule (components/loss.py)
         loss_parallel = pd.tp > 1 and not p.disable_loss_parallel
@@ -525,7 +595,7 @@ def rank_work(cfg, parallel_dims, grad_accum: int, *, blocks: int, holds_embeddi
     fsdp = pd.dp_shard * pd.cp if pd.fsdp_enabled else 1
     return RankWork(
         tokens_per_microbatch=tokens, blocks=blocks, holds_embedding=holds_embedding, holds_output=holds_output,
-        in_flight=in_flight, grads_live=grads_live, tp=pd.tp, cp=pd.cp,
+        in_flight=in_flight, grads_live=grads_live, pp_moments=moments, tp=pd.tp, cp=pd.cp,
         fsdp=fsdp, ac=ac_key(cfg.activation_checkpoint),
         act_bytes=act_bytes, gathered_param_bytes=act_bytes, on_gpu=on_gpu,
         unsharded_grad_params=fsdp * fsdp_shard_params if fsdp > 1 and grads_live else 0,

@@ -22,6 +22,7 @@ from torchtitan.planning.memory import (
     StateBytes,
     estimate_memory,
     in_flight_microbatches,
+    pp_moments,
     pp_recv_buffer_count,
     split_backward_pending_weight,
 )
@@ -372,7 +373,10 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
             blocks=sum(n.startswith("layers.") for n in names),
             holds_embedding="tok_embeddings" in names, holds_output="output" in names,
             in_flight=in_flight_microbatches(L.schedule, n_mb, L.pp, r, len(stages), pending) if L.pp > 1 else 1,
-            grads_live=n_mb > 1, tp=L.tp, cp=L.cp, fsdp=fsdp, ac=ac, act_bytes=ACT_BYTES,
+            grads_live=n_mb > 1,
+            pp_moments=pp_moments(L.schedule, n_mb, L.pp, r, len(stages), pending,
+                                  tuple(sum(params[n] for n in st) / stage_params for st in stages))
+            if L.pp > 1 and n_mb > 1 else (), tp=L.tp, cp=L.cp, fsdp=fsdp, ac=ac, act_bytes=ACT_BYTES,
             gathered_param_bytes=1 if features.float8_all_gather else ACT_BYTES, on_gpu=True,
             unsharded_grad_params=int(stage_params / L.tp) if fsdp > 1 and n_mb > 1 else 0,
             params_stay_gathered=L.pp > 1,
