@@ -8,10 +8,11 @@ import os
 import sys
 
 if __name__ == "__main__":  # before torch's first CPU tensor (importing torch.distributed makes one)
-    from torchtitan.tools import cpu_malloc, rank_stderr
+    from torchtitan.tools import cpu_malloc, cuda_alloc, rank_stderr
 
     rank_stderr.enable_early()  # a fatal signal prints every thread's stack from here on
     cpu_malloc.choose_at_start()
+    cuda_alloc.choose_at_start()  # before the first CUDA allocation, when the allocator reads its settings
 
 from torchtitan.config import ConfigError  # noqa: E402
 from torchtitan.distributed import utils as dist_utils  # noqa: E402
