@@ -197,8 +197,9 @@ def main() -> None:
         results = run_ranks(_measure, world, extra, tempfile.mkdtemp(prefix="bench_mem_"), name in KEEP_OUTPUTS)
         measured, est = max(results, key=lambda r: r[0])
         rows.append((name, measured, est))
-        print(f"{name}: measured {measured / 2**20:.1f} MiB, estimated {est.peak / 2**20:.1f} MiB", flush=True)
-        print(est.table(), flush=True)
+        for rank, (m, e) in enumerate(results):  # every rank: the highest is the row, the others show where
+            print(f"{name}, rank {rank}: measured {m / 2**20:.1f} MiB, estimated {e.peak / 2**20:.1f} MiB", flush=True)
+            print(e.table(), flush=True)
     print(f"\nCPU: {platform.processor() or platform.machine()}, torch {torch.__version__}; debugmodel fp32, "
           f"seq 512, local batch 4\n")
     print("| run | measured peak MiB | estimated MiB | estimate / measured |\n|---|---|---|---|")

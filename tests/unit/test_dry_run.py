@@ -174,3 +174,18 @@ def test_muon_step_that_does_not_fit_is_one_line_naming_it():
     line = report.errors[0]
     assert "only at Muon's optimizer step" in line and "layers." in line and "--optimizer.name AdamW" in line, line
     assert "\n" not in line
+
+
+def test_split_backward_with_full_ac_says_the_estimate_does_not_model_it():
+    """ZBV with full AC: the report carries the caveat beside its estimates (CPU: 0.61-0.72 of the measured
+    peak); the same schedule without AC, and 1F1B with full AC, are modelled and carry none."""
+    def caveat(*args):
+        c = cfg("--model.flavor", "debugmodel_tiny4", "--parallelism.pipeline_parallel_degree", "2",
+                "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_microbatch_size", "1", *args)
+        return dry_run(c, world_size=2, ranks=[0]).memory_caveat
+
+    full = ["--activation_checkpoint.mode", "full"]
+    line = caveat("--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", *full)
+    assert line and "ZBVZeroBubble with full AC" in line and "1F1B" in line
+    assert caveat("--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble") is None
+    assert caveat("--parallelism.pipeline_parallel_schedule", "1F1B", *full) is None

@@ -50,8 +50,27 @@ def test_gradient_moments_follow_the_played_order(schedule):
         assert max(m.in_flight for m in moments) == pytest.approx(peak)
         assert max(m.grad_share for m in moments) == pytest.approx(1.0)
         for a in moments:
-            assert not any(b != a and b.in_flight >= a.in_flight and b.grad_share >= a.grad_share for b in moments)
+            assert not any(b != a and b.in_flight >= a.in_flight and b.grad_share >= a.grad_share
+                           and b.out_in_flight >= a.out_in_flight for b in moments)
     assert pp_moments("1F1B", 8, 4, 0, 1) == ()
+
+
+def test_the_last_stage_microbatches_alive_follow_the_placement_and_the_order():
+    """RankWork.out_in_flight from the moments: only the rank holding the last stage has any (loop placement:
+    the last rank; V placement: rank 0). LoopedBFS runs every forward first, so all 8 are alive at once;
+    Interleaved1F1B's last stage runs forward-backward pairs, one at a time; split backward keeps a microbatch
+    from its forward to its weight pass, which InterleavedZeroBubble defers (4 at once on its last rank) and the
+    V schedules run at once for their last stage."""
+    from torchtitan.planning.memory import pp_moments
+
+    def most(schedule, rank):
+        return max(m.out_in_flight for m in pp_moments(schedule, 8, 4, rank, 2, 0.45))
+
+    assert [most("LoopedBFS", r) for r in range(4)] == [0, 0, 0, 8]
+    assert [most("Interleaved1F1B", r) for r in range(4)] == [0, 0, 0, 1]
+    assert [most("InterleavedZeroBubble", r) for r in range(4)] == [0, 0, 0, 4]
+    for schedule in ("ZBVZeroBubble", "DualPipeV"):
+        assert [most(schedule, r) for r in range(4)] == [1, 0, 0, 0]
 
 
 def test_interleaved_first_rank_peaks_before_its_first_stage_has_gradients():

@@ -2,7 +2,8 @@
 
     peak = model states (parameter, gradient and optimizer shards, buffers: the dry run's real sizes)
          + activations kept for backward (a per-block formula per AC mode) x microbatches in flight
-         + the loss's temporaries (logits, fp32 gradients of the log-probabilities and of the logits)
+         + the output side (final norm, fp32 log-softmax, logits) x the last stage's microbatches alive
+         + the loss's temporaries (fp32 gradients of the log-probabilities and of the logits)
          + communication/temporary buffers (FSDP's unsharded block parameters and gradients)
          + FSDP with several microbatches: gradient sync is off for every microbatch but the last (the
            trainer's gradient accumulation; torch's PipelineStage under PP), so FSDP accumulates the
@@ -162,6 +163,11 @@ class RankWork:
     holds_output: bool = True
     in_flight: float = 1
     """Microbatches whose activations are alive together (1 without PP; up to pp under 1F1B)."""
+    out_in_flight: float | None = None
+    """PP, the rank holding the last stage: that stage's microbatches whose output side is alive together (the
+    final norm's tensors, the loss's saved log-softmax, and the logits - kept by PipelineStage's forward cache
+    until the microbatch's backward, then, under split backward, their gradient until the weight pass). None:
+    `in_flight` (one stage per rank: every microbatch in flight is the last stage's)."""
     grads_live: bool = False
     """Gradients already exist while activations peak (gradient accumulation or several PP microbatches)."""
     tp: int = 1
@@ -233,6 +239,8 @@ class PPMoment:
     """(stage, microbatch) activations alive, in units of one microbatch through all the rank's stages."""
     grad_share: float
     """Share of the rank's gradients made so far: a stage's appear at its first full or weight-gradient pass."""
+    out_in_flight: float = 0.0
+    """Microbatches of the last stage (when the rank holds it) whose output side is alive (RankWork.out_in_flight)."""
 
 
 @dataclasses.dataclass
@@ -336,8 +344,8 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
     """The rank's peak, by component. With `work.pp_moments`, the largest over those moments of the step."""
     if not work.pp_moments or work.block_activation_bytes is not None:
         return _estimate(shape, state, work, grad_share=1.0)
-    return max((_estimate(shape, state, dataclasses.replace(work, in_flight=m.in_flight), m.grad_share)
-                for m in work.pp_moments), key=lambda e: e.peak)
+    return max((_estimate(shape, state, dataclasses.replace(work, in_flight=m.in_flight, out_in_flight=m.out_in_flight),
+                          m.grad_share) for m in work.pp_moments), key=lambda e: e.peak)
 
 
 def _estimate(shape: ModelShape, state: StateBytes, work: RankWork, grad_share: float) -> MemoryEstimate:
@@ -359,25 +367,28 @@ def _estimate(shape: ModelShape, state: StateBytes, work: RankWork, grad_share: 
     chunked = 0 < w.loss_chunk_tokens < tokens
     # The plain loss keeps the fp32 log-softmax (V per token) for backward; the chunked one keeps nothing.
     fused_loss = w.loss_compiled and not chunked
-    outside = (shape.dim * w.act_bytes / w.tp if w.holds_embedding else 0) + (
-        2 * shape.dim * w.act_bytes / w.tp + (0 if chunked or fused_loss else 4 * vocab_local) if w.holds_output
-        else 0
-    )
+    outside = shape.dim * w.act_bytes / w.tp if w.holds_embedding else 0
     if not w.holds_embedding and not w.pp_recv_buffers:
         outside += shape.dim * w.act_bytes / w.tp  # the stage input received from the previous stage
-    activations = int(tokens * (blocks + outside) * w.in_flight)
+    # The output side, per microbatch of the last stage alive: the final norm's input and output, the loss's
+    # fp32 log-softmax, and the logits (the caller's; under PP the forward cache's until that microbatch's
+    # backward, then under split backward their gradient, the same size, until the weight pass).
+    output_side = (2 * shape.dim * w.act_bytes / w.tp + (0 if chunked or fused_loss else 4 * vocab_local)
+                   + vocab_local * w.act_bytes) if w.holds_output else 0
+    out_in_flight = w.in_flight if w.out_in_flight is None else w.out_in_flight
+    activations = int(tokens * ((blocks + outside) * w.in_flight + output_side * out_in_flight))
     if w.block_activation_bytes is not None:
-        activations = w.block_activation_bytes + int(tokens * outside * w.in_flight)
-    # When backward starts: the logits (still referenced by the caller), the fp32 gradient of the
-    # log-probabilities and the fp32 gradient of the logits, each over the (local) vocabulary.
-    # Chunked: the logits and the gradient buffer they get (both in the logits' dtype), and one chunk's
-    # fp32 upcast and fp32 softmax (the upcast is freed before the softmax is cast back).
+        activations = w.block_activation_bytes + int(tokens * (outside * w.in_flight + output_side * out_in_flight))
+    # When backward starts, beside the logits (counted above): the fp32 gradient of the log-probabilities and
+    # the fp32 gradient of the logits, each over the (local) vocabulary.
+    # Chunked: the gradient buffer the logits get (in their dtype), and one chunk's fp32 upcast and fp32
+    # softmax (the upcast is freed before the softmax is cast back).
     if chunked:
-        loss_temp = int(vocab_local * (2 * tokens * w.act_bytes + w.loss_chunk_tokens * 2 * 4))
-    elif fused_loss:  # compiled: the logits and their gradient, both in the logits' dtype
-        loss_temp = int(tokens * vocab_local * 2 * w.act_bytes)
+        loss_temp = int(vocab_local * (tokens * w.act_bytes + w.loss_chunk_tokens * 2 * 4))
+    elif fused_loss:  # compiled: the logits' gradient, in their dtype
+        loss_temp = int(tokens * vocab_local * w.act_bytes)
     else:
-        loss_temp = int(tokens * vocab_local * (w.act_bytes + (3 if w.loss_parallel else 2) * 4))
+        loss_temp = int(tokens * vocab_local * (3 if w.loss_parallel else 2) * 4)
     loss_temp = loss_temp if w.holds_output else 0
     # FSDP: the current and the prefetched block's parameters gathered, and one block's unsharded gradient.
     fsdp_buffers = 0
@@ -396,8 +407,11 @@ def _estimate(shape: ModelShape, state: StateBytes, work: RankWork, grad_share: 
         "PP receive buffers": int(w.pp_recv_buffers * tokens * shape.dim / w.tp * w.act_bytes),
     }
     logits_bytes = int(tokens * vocab_local * w.act_bytes)  # one microbatch's output of the last stage
-    if w.pp_kept_outputs and w.holds_output:
-        c["PP outputs kept (last stage)"] = (w.pp_kept_outputs - 1) * logits_bytes
+    # Inside a block's backward the loss is done and the microbatch's logits are freed (the forward cache hands
+    # them over at the start of its backward); the other microbatches' stay among the activations.
+    logits_now = logits_bytes if w.holds_output else 0
+    if w.pp_kept_outputs and w.holds_output:  # those still in flight are counted among the activations
+        c["PP outputs kept (last stage)"] = int(max(0, w.pp_kept_outputs - out_in_flight) * logits_bytes)
     if w.unsharded_grad_params:
         c["gradients"] = 0  # the sharded gradients appear only as the last microbatch reduce-scatters
         c["FSDP unsharded gradients"] = int(4 * w.unsharded_grad_params * grad_share)
@@ -429,7 +443,7 @@ def _estimate(shape: ModelShape, state: StateBytes, work: RankWork, grad_share: 
         # several microbatches; all of them at the first block).
         grads = c.get("FSDP unsharded gradients", live_grads)
         replay = int(tokens * (block_elems_per_token(shape, "none", w.tp) - shape.dim / w.tp) * w.act_bytes)
-        during = activations + replay + grads
+        during = activations - logits_now + replay + grads
         at_start = activations + loss_temp + c["gradients"] + c.get("FSDP unsharded gradients", 0)
         c["block backward (beyond the above)"] = max(0, during - at_start)
     # At the step's end, with outputs kept, the schedule concatenates them into its return value: activations and
@@ -481,12 +495,13 @@ def in_flight_microbatches(schedule: str, n_microbatches: int, pp: int, pp_rank:
 
 def split_backward_pending_weight(shape: ModelShape, ac: str, tp: int = 1) -> float:
     """Between a split backward's input pass and its weight pass a stage keeps, besides its activations
-    (recomputed ones included: the input pass recomputes under AC), the gradients of its linears' outputs,
-    which the weight pass multiplies: q, the attention output and w2's output (D each), k and v (KV each),
-    w1 and w3 (H each). Returned in units of the activations the AC mode keeps."""
+    (recomputed ones included: the input pass recomputes under AC), the gradient arriving at every node where a
+    weight joins the graph (torch's `stage_backward_input` hooks them for the weight pass): the linears' outputs
+    - q, the attention output and w2's output (D each), k and v (KV each), w1 and w3 (H each) - and the two
+    norms' outputs (D each). Returned in units of the activations the AC mode keeps."""
     kept = block_elems_per_token(shape, ac, tp)
     recomputed = block_elems_per_token(shape, "none", tp) - kept
-    grads = (3 * shape.dim + 2 * shape.kv_dim + 2 * shape.hidden) / tp
+    grads = (5 * shape.dim + 2 * shape.kv_dim + 2 * shape.hidden) / tp
     return (recomputed + grads) / kept
 
 
@@ -517,7 +532,9 @@ def _peak_stage_activations(
 def pp_moments(schedule: str, n_microbatches: int, pp: int, pp_rank: int, stages_per_rank: int,
                pending_weight: float = 0.0, stage_shares: tuple[float, ...] | None = None) -> tuple[PPMoment, ...]:
     """RankWork.pp_moments of a pp rank: torch's action order for the rank walked pass by pass, keeping the
-    moments no other exceeds in both activations alive and gradients made. A stage's weight gradients are made
+    moments no other exceeds in activations alive, gradients made and (on the rank holding the last stage)
+    that stage's microbatches alive, whose output side (RankWork.out_in_flight) weighs more than a block's
+    activations. A stage's weight gradients are made
     in its first full or weight-gradient pass, counted from that pass's start, when the microbatch it
     differentiates is still alive. `stage_shares`: each local stage's share of the rank's trainable
     parameters, in stage order (equal when None). () with one stage per rank (its first backward starts at
@@ -525,33 +542,47 @@ def pp_moments(schedule: str, n_microbatches: int, pp: int, pp_rank: int, stages
     if stages_per_rank == 1:
         return ()
     shares = stage_shares or (1 / stages_per_rank,) * stages_per_rank
-    return tuple(PPMoment(alive / stages_per_rank, sum(shares[i] for i in made))
-                 for alive, made in _moments(schedule, n_microbatches, pp, stages_per_rank,
-                                             round(pending_weight, 3))[pp_rank])
+    return tuple(PPMoment(alive / stages_per_rank, sum(shares[i] for i in made), out)
+                 for alive, made, out in _moments(schedule, n_microbatches, pp, stages_per_rank,
+                                                  round(pending_weight, 3))[pp_rank])
 
 
 @functools.lru_cache(maxsize=256)
 def _moments(schedule: str, n_microbatches: int, pp: int, stages_per_rank: int, pending_weight: float) -> tuple:
-    """Per pp rank, its undominated moments: (activations alive, local stages whose gradients exist)."""
+    """Per pp rank, its undominated moments: (activations alive, local stages whose gradients exist, microbatches
+    of the last stage alive - from its forward to its full or weight-gradient pass - when the rank holds it)."""
     order = schedule_order(schedule, n_microbatches, pp, stages_per_rank)
     change = {F: (1, 0), B: (-1, 0), I: (0, 1), W: (-1, -1)}
+    last = pp * stages_per_rank - 1
     per_rank = []
     for rank in range(pp):
         local = sorted({p.stage_index for a in order[rank] for p in passes(a)})
-        alive = pending = 0
+        alive = pending = out = 0
         made: set[int] = set()
         moments = set()
         for action in order[rank]:
             for sub in passes(action):
                 if sub.computation_type in (B, W):
                     made.add(local.index(sub.stage_index))
-                moments.add((alive + pending_weight * pending, frozenset(made)))
+                moments.add((alive + pending_weight * pending, frozenset(made), out))
                 d_alive, d_pending = change.get(sub.computation_type, (0, 0))
                 alive, pending = alive + d_alive, pending + d_pending
-                moments.add((alive + pending_weight * pending, frozenset(made)))
-        top = [m for m in moments if not any(o != m and o[0] >= m[0] and o[1] >= m[1] for o in moments)]
-        per_rank.append(tuple(sorted(top, key=lambda m: (m[0], sorted(m[1])))))
+                if sub.stage_index == last:
+                    out += d_alive
+                moments.add((alive + pending_weight * pending, frozenset(made), out))
+        top = [m for m in moments
+               if not any(o != m and o[0] >= m[0] and o[1] >= m[1] and o[2] >= m[2] for o in moments)]
+        per_rank.append(tuple(sorted(top, key=lambda m: (m[0], sorted(m[1]), m[2]))))
     return tuple(per_rank)
+
+
+def output_in_flight(moments: tuple[PPMoment, ...], stages_per_rank: int) -> float | None:
+    """RankWork.out_in_flight outside the moments (a per-block plan's estimate): with one stage per rank, None
+    (every microbatch in flight is the last stage's when the rank holds it); with several, the most its moments
+    hold (one microbatch when there are none: a single microbatch)."""
+    if stages_per_rank == 1:
+        return None
+    return max((m.out_in_flight for m in moments), default=1.0)
 
 
 def pp_recv_buffer_count(n_microbatches: int, stages_per_rank: int, holds_first: bool, holds_last: bool) -> int:
@@ -582,9 +613,10 @@ def rank_work(cfg, parallel_dims, grad_accum: int, *, blocks: int, holds_embeddi
         grads_live = n_mb > 1 or grad_accum > 1
         moments = pp_moments(p.pipeline_parallel_schedule, n_mb, pd.pp, pp_rank, stages_per_rank, pending,
                              stage_shares) if n_mb > 1 else ()
+        out_in_flight = output_in_flight(moments, stages_per_rank)
     else:
         tokens, in_flight, grads_live, recv = t.local_batch_size * t.seq_len, 1, grad_accum > 1, 0
-        moments = ()
+        moments, out_in_flight = (), None
     chunk = t.loss_chunk_size
     if chunk == -1:  # auto: the trainer's rule (components/loss.py)
         loss_parallel = pd.tp > 1 and not p.disable_loss_parallel
@@ -595,7 +627,7 @@ def rank_work(cfg, parallel_dims, grad_accum: int, *, blocks: int, holds_embeddi
     fsdp = pd.dp_shard * pd.cp if pd.fsdp_enabled else 1
     return RankWork(
         tokens_per_microbatch=tokens, blocks=blocks, holds_embedding=holds_embedding, holds_output=holds_output,
-        in_flight=in_flight, grads_live=grads_live, pp_moments=moments, tp=pd.tp, cp=pd.cp,
+        in_flight=in_flight, out_in_flight=out_in_flight, grads_live=grads_live, pp_moments=moments, tp=pd.tp, cp=pd.cp,
         fsdp=fsdp, ac=ac_key(cfg.activation_checkpoint),
         act_bytes=act_bytes, gathered_param_bytes=act_bytes, on_gpu=on_gpu,
         unsharded_grad_params=fsdp * fsdp_shard_params if fsdp > 1 and grads_live else 0,

@@ -22,6 +22,7 @@ from torchtitan.planning.memory import (
     StateBytes,
     estimate_memory,
     in_flight_microbatches,
+    output_in_flight,
     pp_moments,
     pp_recv_buffer_count,
     split_backward_pending_weight,
@@ -35,7 +36,7 @@ from torchtitan.planning.memory_budget import (
     plan_memory,
     solve,
 )
-from torchtitan.planning.schedule_order import bubble_fraction
+from torchtitan.planning.schedule_order import SPLIT_BACKWARD, bubble_fraction
 from torchtitan.planning.step_time import DEFAULT_MFU
 from torchtitan.planning.step_time import (
     ASYNC_TP_HIDDEN,
@@ -62,7 +63,6 @@ SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"
 """The schedules the planner weighs. GPipe and LoopedBFS have 1F1B's and Interleaved1F1B's bubbles with all
 microbatches in flight (never better); DualPipeV overlaps the all-to-all of expert parallelism, which the
 planner's dense models do not have."""
-SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble")
 STATE_BYTES_PER_PARAM = 16
 """fp32 parameter + fp32 gradient + AdamW's two fp32 moments (training.dtype float32, bf16 compute)."""
 ACT_BYTES = 2
@@ -368,15 +368,16 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
         stage_params_max = max(stage_params_max, stage_params)
         local = stage_params / (L.tp * fsdp)
         state = StateBytes(params=int(4 * local), grads=int(4 * local), optimizer=int(8 * local))
+        moments = pp_moments(L.schedule, n_mb, L.pp, r, len(stages), pending,
+                             tuple(sum(params[n] for n in st) / stage_params for st in stages)
+                             ) if L.pp > 1 and n_mb > 1 else ()
         work = RankWork(
             tokens_per_microbatch=(L.microbatch_size if L.pp > 1 else L.local_batch_size) * seq_len,
             blocks=sum(n.startswith("layers.") for n in names),
             holds_embedding="tok_embeddings" in names, holds_output="output" in names,
             in_flight=in_flight_microbatches(L.schedule, n_mb, L.pp, r, len(stages), pending) if L.pp > 1 else 1,
             grads_live=n_mb > 1,
-            pp_moments=pp_moments(L.schedule, n_mb, L.pp, r, len(stages), pending,
-                                  tuple(sum(params[n] for n in st) / stage_params for st in stages))
-            if L.pp > 1 and n_mb > 1 else (), tp=L.tp, cp=L.cp, fsdp=fsdp, ac=ac, act_bytes=ACT_BYTES,
+            pp_moments=moments, out_in_flight=output_in_flight(moments, len(stages)) if L.pp > 1 else None, tp=L.tp, cp=L.cp, fsdp=fsdp, ac=ac, act_bytes=ACT_BYTES,
             gathered_param_bytes=1 if features.float8_all_gather else ACT_BYTES, on_gpu=True,
             unsharded_grad_params=int(stage_params / L.tp) if fsdp > 1 and n_mb > 1 else 0,
             params_stay_gathered=L.pp > 1,

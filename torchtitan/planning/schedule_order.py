@@ -15,6 +15,10 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 F, B, I, W = (_ComputationType.FORWARD, _ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_INPUT,
               _ComputationType.BACKWARD_WEIGHT)
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble")
+"""Schedules whose backward is an input pass and a later weight pass, with AC neither op-selective (torch
+cannot run them together) nor, in the memory estimator, full (its recomputation waiting for the weight pass is
+not modelled)."""
 
 
 class _Placeholder(_PipelineStageBase):
