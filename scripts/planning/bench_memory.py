@@ -113,6 +113,24 @@ def _recv_buffer_bytes(trainer) -> int:
     return total
 
 
+def _release_local_transfers(trainer) -> None:
+    """V schedules pass activations and gradients between a rank's two adjacent stages without a send: torch
+    points the receiving stage's buffer at the tensor itself (`set_local_fwd_input` / `set_local_bwd_input`),
+    dropping the previous step's as each microbatch replaces it. The profiler cannot see the free of a block
+    allocated before it started, so those would count twice (the old in the baseline, the new in the running
+    total). Released here before the profiled step; each is set again before it is read."""
+    if trainer.pipeline is None:
+        return
+    sched = trainer.pipeline.schedule
+    stages = getattr(sched, "_stages", None) or [sched._stage]
+    local = {st.stage_index for st in stages}
+    for st in stages:
+        for neighbour, infos in ((st.stage_index - 1, st.args_recv_info), (st.stage_index + 1, st.grad_recv_info)):
+            if neighbour in local:
+                for info in (i for per_mb in infos.values() for i in per_mb):
+                    info.buffer = None
+
+
 def _local_numel(t) -> int:
     return t.to_local().numel() if hasattr(t, "to_local") else t.numel()
 
@@ -156,6 +174,7 @@ def _measure(rank, world, argv, folder, keep_outputs=False):
         mbs = trainer._next_microbatches(data)
         data_bytes = sum(t.numel() * t.element_size() for mb in mbs for t in mb)
         # (Rows measured before 2026-12-04 19:00 UTC left the receive buffers out: docs/planning.md says which.)
+        _release_local_transfers(trainer)  # (rows of V schedules measured before 2026-12-06 23:30 UTC counted them twice)
         baseline = _live_tensor_bytes(trainer) + data_bytes + _recv_buffer_bytes(trainer)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             trainer.train_step(mbs)
