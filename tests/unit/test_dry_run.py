@@ -177,7 +177,7 @@ def test_muon_step_that_does_not_fit_is_one_line_naming_it():
 
 
 def test_split_backward_with_full_ac_says_the_estimate_does_not_model_it():
-    """ZBV with full AC: the report carries the caveat beside its estimates (CPU: 0.61-0.75 of the measured
+    """ZBV with full AC: the report carries the caveat beside its estimates (CPU: 0.66-0.78 of the measured
     peak); the same schedule without AC, and 1F1B with full AC, are modelled and carry none."""
     def caveat(*args):
         c = cfg("--model.flavor", "debugmodel_tiny4", "--parallelism.pipeline_parallel_degree", "2",

@@ -82,7 +82,7 @@ def test_published_cases_where_the_planner_agrees():
     within = {case.name: comparison(case).within[0] == 1 or comparison(case).within[1] < TIE for case in PUBLISHED}
     assert within == {"Llama 3.1 8B, 8 H100": True, "Llama 3.1 8B, 128 H100": True, "Llama 3.1 70B, 256 H100": False,
                       "Llama 3.1 405B, 512 H100": False, "Llama 3 405B, 16K H100": True,
-                      "Llama 3 405B, 8K H100": False}
+                      "Llama 3 405B, 8K H100": True}
 
 
 @pytest.mark.parametrize("pair", single_choice_pairs(), ids=lambda p: f"{p[2]}: {p[0].name} -> {p[1].name}")
@@ -209,8 +209,8 @@ def test_the_405b_memory_pairs_a_tensor_estimate_can_and_cannot_follow(monkeypat
     planner judges, yet report 7 GiB apart, so an estimate built from tensors can sit between them but not follow
     the difference. T5 Interleaved 1F1B reports 9.8 GiB less than T5 1F1B, and the estimate orders them so too:
     its first rank makes its later stage's gradients first, while the most activations are alive, and the
-    earlier stage's only after half of those are freed (RankWork.pp_moments), 6-7 GiB less than 1F1B's first
-    rank; its peak rank (the last, with the kept outputs) is within 10% of the published figure."""
+    earlier stage's only after half of those are freed (RankWork.pp_moments), 3 GiB less than 1F1B's first
+    rank even with the 16 stage outputs its sends hold (RankWork.pp_sends_held); its peak rank (the last, with the kept outputs) is within 10% of the published figure."""
     by_name = {r.name: r for r in CORPUS}
 
     def ranks(run):
@@ -230,7 +230,7 @@ def test_the_405b_memory_pairs_a_tensor_estimate_can_and_cannot_follow(monkeypat
     assert ranks(one_f1b) == ranks(cp1)
     assert one_f1b.memory_gib - cp1.memory_gib > 7
     assert one_f1b.memory_gib - interleaved.memory_gib > 9
-    assert 5 < ranks(one_f1b)[0] - ranks(interleaved)[0] < 10
+    assert 2 < ranks(one_f1b)[0] - ranks(interleaved)[0] < 10
     assert 0.9 <= max(ranks(interleaved)) / interleaved.memory_gib <= 1.1
 
 

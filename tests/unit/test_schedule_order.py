@@ -51,7 +51,7 @@ def test_gradient_moments_follow_the_played_order(schedule):
         assert max(m.grad_share for m in moments) == pytest.approx(1.0)
         for a in moments:
             assert not any(b != a and b.in_flight >= a.in_flight and b.grad_share >= a.grad_share
-                           and b.out_in_flight >= a.out_in_flight for b in moments)
+                           and b.out_in_flight >= a.out_in_flight and b.sends_held >= a.sends_held for b in moments)
     assert pp_moments("1F1B", 8, 4, 0, 1) == ()
 
 
@@ -77,8 +77,34 @@ def test_interleaved_first_rank_peaks_before_its_first_stage_has_gradients():
     """405B's published Interleaved1F1B (pp 8, 2 stages per rank, 8 microbatches): rank 0 runs all 16 forwards,
     then its later stage's 8 backwards (that stage's gradients made, all 16 forwards alive at the first), then
     its first stage's with 8 left alive. Unequal stages weigh the share by their parameters."""
-    from torchtitan.planning.memory import PPMoment, pp_moments
+    from torchtitan.planning.memory import pp_moments
 
-    assert pp_moments("Interleaved1F1B", 8, 8, 0, 2) == (PPMoment(4.0, 1.0), PPMoment(8.0, 0.5))
-    assert pp_moments("Interleaved1F1B", 8, 8, 0, 2, stage_shares=(0.6, 0.4)) == (PPMoment(4.0, 1.0),
-                                                                                   PPMoment(8.0, 0.4))
+    def activations_and_gradients(shares=None):
+        """The moments no other exceeds in activations alive and gradients made (the sends held, a third
+        coordinate, only grow: the largest of them comes with every gradient made)."""
+        pairs = {(m.in_flight, m.grad_share) for m in pp_moments("Interleaved1F1B", 8, 8, 0, 2, stage_shares=shares)}
+        return sorted(p for p in pairs if not any(o != p and o[0] >= p[0] and o[1] >= p[1] for o in pairs))
+
+    assert activations_and_gradients() == [(4.0, 1.0), (8.0, 0.5)]
+    assert activations_and_gradients((0.6, 0.4)) == [(4.0, 1.0), (8.0, 0.4)]
+    # all 16 forwards sent their outputs by the peak of activations; the 8 input gradients of stage 8 follow
+    at_peak = max(pp_moments("Interleaved1F1B", 8, 8, 0, 2), key=lambda m: (m.in_flight, m.sends_held))
+    assert (at_peak.in_flight, at_peak.sends_held) == (8.0, 16)
+
+
+def test_sends_are_held_until_the_step_ends():
+    """torch's multi-stage runtime waits for its sends only when the step ends, and each send holds its tensor:
+    by the end a rank holds one per forward of a stage whose next stage is on another rank and one per
+    input-gradient (or full backward) pass of a stage whose previous one is. V placement passes between a rank's
+    two adjacent stages without sending; the first stage sends no input gradient, the last no output."""
+    from torchtitan.planning.memory import pp_moments
+
+    def most(schedule, pp, rank):
+        return max(m.sends_held for m in pp_moments(schedule, 8, pp, rank, 2, 0.45))
+
+    # pp 2, V: rank 0 holds stages 0 and 3 (outputs of 0, input gradients of 3), rank 1 stages 1 and 2 (input
+    # gradients of 1, outputs of 2; 1 -> 2 is local): 16 each.
+    assert [most("ZBVZeroBubble", 2, r) for r in range(2)] == [16, 16]
+    # pp 8, loop placement: rank 0 holds stages 0 and 8 (outputs of both, input gradients of 8): 24; the last
+    # rank holds 7 and 15 (outputs of 7, input gradients of both): 24; a middle rank sends all four kinds: 32.
+    assert [most("Interleaved1F1B", 8, r) for r in (0, 3, 7)] == [24, 32, 24]

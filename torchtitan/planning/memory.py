@@ -168,6 +168,11 @@ class RankWork:
     final norm's tensors, the loss's saved log-softmax, and the logits - kept by PipelineStage's forward cache
     until the microbatch's backward, then, under split backward, their gradient until the weight pass). None:
     `in_flight` (one stage per rank: every microbatch in flight is the last stage's)."""
+    pp_sends_held: float = 0
+    """PP, several stages on this rank: activations and input gradients sent to another rank whose tensors the
+    schedule still holds (torch's multi-stage runtime waits for its sends only when the step ends, and a send
+    keeps its tensor), each tokens/cp x D/tp: a stage's output from its forward (the forward cache holds it until
+    its backward anyway; the block formula does not count it) and each input gradient from its pass."""
     grads_live: bool = False
     """Gradients already exist while activations peak (gradient accumulation or several PP microbatches)."""
     tp: int = 1
@@ -241,6 +246,8 @@ class PPMoment:
     """Share of the rank's gradients made so far: a stage's appear at its first full or weight-gradient pass."""
     out_in_flight: float = 0.0
     """Microbatches of the last stage (when the rank holds it) whose output side is alive (RankWork.out_in_flight)."""
+    sends_held: float = 0.0
+    """Sent tensors still held (RankWork.pp_sends_held)."""
 
 
 @dataclasses.dataclass
@@ -344,8 +351,9 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
     """The rank's peak, by component. With `work.pp_moments`, the largest over those moments of the step."""
     if not work.pp_moments or work.block_activation_bytes is not None:
         return _estimate(shape, state, work, grad_share=1.0)
-    return max((_estimate(shape, state, dataclasses.replace(work, in_flight=m.in_flight, out_in_flight=m.out_in_flight),
-                          m.grad_share) for m in work.pp_moments), key=lambda e: e.peak)
+    return max((_estimate(shape, state, dataclasses.replace(work, in_flight=m.in_flight, out_in_flight=m.out_in_flight,
+                                                            pp_sends_held=m.sends_held), m.grad_share)
+                for m in work.pp_moments), key=lambda e: e.peak)
 
 
 def _estimate(shape: ModelShape, state: StateBytes, work: RankWork, grad_share: float) -> MemoryEstimate:
@@ -405,6 +413,7 @@ def _estimate(shape: ModelShape, state: StateBytes, work: RankWork, grad_share: 
         "FSDP gather/reduce buffers": fsdp_buffers,
         # Sequence-parallel (1/tp) boundary activations; the stage inputs in flight are among them.
         "PP receive buffers": int(w.pp_recv_buffers * tokens * shape.dim / w.tp * w.act_bytes),
+        "PP sends held (until the step ends)": int(w.pp_sends_held * tokens * shape.dim / w.tp * w.act_bytes),
     }
     logits_bytes = int(tokens * vocab_local * w.act_bytes)  # one microbatch's output of the last stage
     # Inside a block's backward the loss is done and the microbatch's logits are freed (the forward cache hands
@@ -542,37 +551,45 @@ def pp_moments(schedule: str, n_microbatches: int, pp: int, pp_rank: int, stages
     if stages_per_rank == 1:
         return ()
     shares = stage_shares or (1 / stages_per_rank,) * stages_per_rank
-    return tuple(PPMoment(alive / stages_per_rank, sum(shares[i] for i in made), out)
-                 for alive, made, out in _moments(schedule, n_microbatches, pp, stages_per_rank,
-                                                  round(pending_weight, 3))[pp_rank])
+    return tuple(PPMoment(alive / stages_per_rank, sum(shares[i] for i in made), out, sent)
+                 for alive, made, out, sent in _moments(schedule, n_microbatches, pp, stages_per_rank,
+                                                        round(pending_weight, 3))[pp_rank])
 
 
 @functools.lru_cache(maxsize=256)
 def _moments(schedule: str, n_microbatches: int, pp: int, stages_per_rank: int, pending_weight: float) -> tuple:
     """Per pp rank, its undominated moments: (activations alive, local stages whose gradients exist, microbatches
-    of the last stage alive - from its forward to its full or weight-gradient pass - when the rank holds it)."""
+    of the last stage alive - from its forward to its full or weight-gradient pass - when the rank holds it,
+    sent tensors held - torch's multi-stage runtime waits for its sends when the step ends: each forward of a
+    stage whose next stage is on another rank, each full or input-gradient pass of a stage whose previous
+    one is)."""
     order = schedule_order(schedule, n_microbatches, pp, stages_per_rank)
     change = {F: (1, 0), B: (-1, 0), I: (0, 1), W: (-1, -1)}
     last = pp * stages_per_rank - 1
+    rank_of = {p.stage_index: r for r in range(pp) for a in order[r] for p in passes(a)}
     per_rank = []
     for rank in range(pp):
         local = sorted({p.stage_index for a in order[rank] for p in passes(a)})
-        alive = pending = out = 0
+        alive = pending = out = sent = 0
         made: set[int] = set()
         moments = set()
         for action in order[rank]:
             for sub in passes(action):
-                if sub.computation_type in (B, W):
-                    made.add(local.index(sub.stage_index))
-                moments.add((alive + pending_weight * pending, frozenset(made), out))
-                d_alive, d_pending = change.get(sub.computation_type, (0, 0))
+                s, kind = sub.stage_index, sub.computation_type
+                if kind in (B, W):
+                    made.add(local.index(s))
+                moments.add((alive + pending_weight * pending, frozenset(made), out, sent))
+                d_alive, d_pending = change.get(kind, (0, 0))
                 alive, pending = alive + d_alive, pending + d_pending
-                if sub.stage_index == last:
+                if s == last:
                     out += d_alive
-                moments.add((alive + pending_weight * pending, frozenset(made), out))
+                if (kind == F and s != last and rank_of[s + 1] != rank) or (
+                        kind in (B, I) and s != 0 and rank_of[s - 1] != rank):
+                    sent += 1
+                moments.add((alive + pending_weight * pending, frozenset(made), out, sent))
         top = [m for m in moments
-               if not any(o != m and o[0] >= m[0] and o[1] >= m[1] and o[2] >= m[2] for o in moments)]
-        per_rank.append(tuple(sorted(top, key=lambda m: (m[0], sorted(m[1]), m[2]))))
+               if not any(o != m and o[0] >= m[0] and o[1] >= m[1] and o[2] >= m[2] and o[3] >= m[3] for o in moments)]
+        per_rank.append(tuple(sorted(top, key=lambda m: (m[0], sorted(m[1]), m[2], m[3]))))
     return tuple(per_rank)
 
 
@@ -583,6 +600,12 @@ def output_in_flight(moments: tuple[PPMoment, ...], stages_per_rank: int) -> flo
     if stages_per_rank == 1:
         return None
     return max((m.out_in_flight for m in moments), default=1.0)
+
+
+def sends_held(moments: tuple[PPMoment, ...]) -> float:
+    """RankWork.pp_sends_held outside the moments (a per-block plan's estimate, one moment for the whole step):
+    the most its moments hold, an upper bound like the rest of that estimate."""
+    return max((m.sends_held for m in moments), default=0.0)
 
 
 def pp_recv_buffer_count(n_microbatches: int, stages_per_rank: int, holds_first: bool, holds_last: bool) -> int:
@@ -627,7 +650,8 @@ def rank_work(cfg, parallel_dims, grad_accum: int, *, blocks: int, holds_embeddi
     fsdp = pd.dp_shard * pd.cp if pd.fsdp_enabled else 1
     return RankWork(
         tokens_per_microbatch=tokens, blocks=blocks, holds_embedding=holds_embedding, holds_output=holds_output,
-        in_flight=in_flight, out_in_flight=out_in_flight, grads_live=grads_live, pp_moments=moments, tp=pd.tp, cp=pd.cp,
+        in_flight=in_flight, out_in_flight=out_in_flight, pp_sends_held=sends_held(moments), grads_live=grads_live,
+        pp_moments=moments, tp=pd.tp, cp=pd.cp,
         fsdp=fsdp, ac=ac_key(cfg.activation_checkpoint),
         act_bytes=act_bytes, gathered_param_bytes=act_bytes, on_gpu=on_gpu,
         unsharded_grad_params=fsdp * fsdp_shard_params if fsdp > 1 and grads_live else 0,

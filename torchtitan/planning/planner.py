@@ -25,6 +25,7 @@ from torchtitan.planning.memory import (
     output_in_flight,
     pp_moments,
     pp_recv_buffer_count,
+    sends_held,
     split_backward_pending_weight,
 )
 from torchtitan.planning.memory_budget import (
@@ -377,7 +378,8 @@ def evaluate(shape: ModelShape, layout: Layout, device: Device, devices: int, se
             holds_embedding="tok_embeddings" in names, holds_output="output" in names,
             in_flight=in_flight_microbatches(L.schedule, n_mb, L.pp, r, len(stages), pending) if L.pp > 1 else 1,
             grads_live=n_mb > 1,
-            pp_moments=moments, out_in_flight=output_in_flight(moments, len(stages)) if L.pp > 1 else None, tp=L.tp, cp=L.cp, fsdp=fsdp, ac=ac, act_bytes=ACT_BYTES,
+            pp_moments=moments, out_in_flight=output_in_flight(moments, len(stages)) if L.pp > 1 else None,
+            pp_sends_held=sends_held(moments), tp=L.tp, cp=L.cp, fsdp=fsdp, ac=ac, act_bytes=ACT_BYTES,
             gathered_param_bytes=1 if features.float8_all_gather else ACT_BYTES, on_gpu=True,
             unsharded_grad_params=int(stage_params / L.tp) if fsdp > 1 and n_mb > 1 else 0,
             params_stay_gathered=L.pp > 1,
