@@ -551,12 +551,15 @@ def pp_moments(schedule: str, n_microbatches: int, pp: int, pp_rank: int, stages
     if stages_per_rank == 1:
         return ()
     shares = stage_shares or (1 / stages_per_rank,) * stages_per_rank
+    # Without input/weight passes nothing is pending: one walk serves every pending weight.
+    split = any(p.computation_type in (I, W) for a in schedule_order(schedule, n_microbatches, pp, stages_per_rank)[0]
+                for p in passes(a))
     return tuple(PPMoment(alive / stages_per_rank, sum(shares[i] for i in made), out, sent)
                  for alive, made, out, sent in _moments(schedule, n_microbatches, pp, stages_per_rank,
-                                                        round(pending_weight, 3))[pp_rank])
+                                                        round(pending_weight, 3) if split else 0.0)[pp_rank])
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=1024)
 def _moments(schedule: str, n_microbatches: int, pp: int, stages_per_rank: int, pending_weight: float) -> tuple:
     """Per pp rank, its undominated moments: (activations alive, local stages whose gradients exist, microbatches
     of the last stage alive - from its forward to its full or weight-gradient pass - when the rank holds it,
@@ -571,14 +574,16 @@ def _moments(schedule: str, n_microbatches: int, pp: int, stages_per_rank: int, 
     for rank in range(pp):
         local = sorted({p.stage_index for a in order[rank] for p in passes(a)})
         alive = pending = out = sent = 0
-        made: set[int] = set()
-        moments = set()
+        made: frozenset[int] = frozenset()
+        # (made, sent) only grow through the walk, so its moments fall into groups, one per state of the two,
+        # ordered in time; a later group's state is at least an earlier one's in both.
+        groups: dict[tuple[frozenset, int], set[tuple[float, int]]] = {}
         for action in order[rank]:
             for sub in passes(action):
                 s, kind = sub.stage_index, sub.computation_type
-                if kind in (B, W):
-                    made.add(local.index(s))
-                moments.add((alive + pending_weight * pending, frozenset(made), out, sent))
+                if kind in (B, W) and local.index(s) not in made:
+                    made = made | {local.index(s)}
+                groups.setdefault((made, sent), set()).add((alive + pending_weight * pending, out))
                 d_alive, d_pending = change.get(kind, (0, 0))
                 alive, pending = alive + d_alive, pending + d_pending
                 if s == last:
@@ -586,11 +591,31 @@ def _moments(schedule: str, n_microbatches: int, pp: int, stages_per_rank: int, 
                 if (kind == F and s != last and rank_of[s + 1] != rank) or (
                         kind in (B, I) and s != 0 and rank_of[s - 1] != rank):
                     sent += 1
-                moments.add((alive + pending_weight * pending, frozenset(made), out, sent))
-        top = [m for m in moments
-               if not any(o != m and o[0] >= m[0] and o[1] >= m[1] and o[2] >= m[2] and o[3] >= m[3] for o in moments)]
-        per_rank.append(tuple(sorted(top, key=lambda m: (m[0], sorted(m[1]), m[2], m[3]))))
+                groups.setdefault((made, sent), set()).add((alive + pending_weight * pending, out))
+        per_rank.append(tuple(sorted(_undominated(groups), key=lambda m: (m[0], sorted(m[1]), m[2], m[3]))))
     return tuple(per_rank)
+
+
+def _undominated(groups: dict[tuple[frozenset, int], set[tuple[float, int]]]) -> list[tuple]:
+    """The moments (alive, made, out, sent) no other is at least in every coordinate, from `groups`: per (made,
+    sent) state in time order, its (alive, out) points. A state's point is dominated by one of a later state
+    at least as large in (alive, out), or by one of its own state larger in one and not smaller in the other;
+    walking the states backwards with the later states' most alive per out count, this is near linear in the
+    moments, not quadratic."""
+    later: dict[int, float] = {}  # out -> the most alive at that out in the states after the current one
+    top = []
+    for (made, sent), points in reversed(list(groups.items())):
+        most_out = None
+        for a, o in sorted(points, reverse=True):  # most alive first: kept when more out than all before it
+            if most_out is not None and o <= most_out:
+                continue
+            most_out = o
+            if not any(qa >= a for qo, qa in later.items() if qo >= o):
+                top.append((a, made, o, sent))
+        for a, o in points:
+            later[o] = max(a, later.get(o, a))
+    return top
+
 
 
 def output_in_flight(moments: tuple[PPMoment, ...], stages_per_rank: int) -> float | None:
