@@ -108,3 +108,27 @@ def test_sends_are_held_until_the_step_ends():
     # pp 8, loop placement: rank 0 holds stages 0 and 8 (outputs of both, input gradients of 8): 24; the last
     # rank holds 7 and 15 (outputs of 7, input gradients of both): 24; a middle rank sends all four kinds: 32.
     assert [most("Interleaved1F1B", 8, r) for r in (0, 3, 7)] == [24, 32, 24]
+
+
+def test_the_undominated_moments_are_exactly_those_no_other_exceeds():
+    """The planner's fast filter (memory._undominated: a backward sweep over the walk's time-ordered (gradients
+    made, sends held) states) against the definition, every moment compared with every other, on random walks
+    whose states only grow, as a rank's do: same set, none missed (a missing moment could hide a rank's peak)."""
+    import random
+
+    from torchtitan.planning.memory import _undominated
+
+    rng = random.Random(0)
+    for _ in range(200):
+        groups, made, sent = {}, frozenset(), 0
+        for _ in range(rng.randint(1, 12)):
+            if rng.random() < 0.3:
+                made = made | {rng.randint(0, 3)}
+            sent += rng.randint(0, 2)
+            points = groups.setdefault((made, sent), set())
+            points.update((rng.randint(0, 6) + 0.5 * rng.randint(0, 2), rng.randint(0, 3))
+                          for _ in range(rng.randint(1, 6)))
+        every = {(a, m, o, s) for (m, s), points in groups.items() for a, o in points}
+        by_definition = {x for x in every if not any(
+            y != x and y[0] >= x[0] and y[1] >= x[1] and y[2] >= x[2] and y[3] >= x[3] for y in every)}
+        assert set(_undominated(groups)) == by_definition
