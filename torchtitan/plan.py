@@ -60,7 +60,14 @@ def main(argv: list[str]) -> int:
     from torchtitan.planning.memory import ModelShape
     from torchtitan.planning.memory_budget import OFFLOAD_BANDWIDTH_CUDA
     from torchtitan.planning.planner import Features, explain, parse_model_parallel, plan_layouts
-    from torchtitan.planning.published import HELD_OUT_MEDIAN_ERROR, HELD_OUT_RATIO_RANGE, interval, published_here
+    from torchtitan.planning.published import (
+        HELD_OUT_MEDIAN_ERROR,
+        HELD_OUT_MEMORY_RANGE,
+        HELD_OUT_RATIO_RANGE,
+        interval,
+        memory_interval,
+        published_here,
+    )
     from torchtitan.protocols.model_shape import model_args_for
     from torchtitan.protocols.train_spec import get_train_spec
 
@@ -115,7 +122,11 @@ def main(argv: list[str]) -> int:
     lo, hi = HELD_OUT_RATIO_RANGE
     print(f"Intervals: where published figures lay for predictions of runs the model was not fitted on (held-out "
           f"predicted / published {lo:.2f}-{hi:.2f}, median error {100 * HELD_OUT_MEDIAN_ERROR:.1f}%; "
-          f"docs/planning.md){' - with --mfu the fit no longer applies' if a.mfu else ''}\n")
+          f"docs/planning.md){' - with --mfu the fit no longer applies' if a.mfu else ''}; peak memory estimated / "
+          f"published {_ratio_range(HELD_OUT_MEMORY_RANGE[False])} without PP, "
+          f"{_ratio_range(HELD_OUT_MEMORY_RANGE[True])} with (--memory-headroom "
+          f"{1 - HELD_OUT_MEMORY_RANGE[False][0]:.2f}, {1 - HELD_OUT_MEMORY_RANGE[True][0]:.2f} with PP, keeps the "
+          f"upper ends within memory)\n")
     for i, c in enumerate(result.ranked[: a.top], 1):
         slower = 100 * (c.time.total / best - 1)
         # Times equal to 3 significant digits rank the simpler layout first (planner.plan_layouts).
@@ -123,11 +134,19 @@ def main(argv: list[str]) -> int:
         low, high = interval(c.tokens_per_s_per_device)
         print(f"#{i} ({lead}; {low:,.0f}-{high:,.0f} tokens/s/device): "
               f"{explain(c, a.seq_len, a.global_batch_size, device)}")
+        mem_low, mem_high = memory_interval(c.memory, c.layout.pp > 1)
+        print(f"  memory interval {mem_low / 2**30:.1f}-{mem_high / 2**30:.1f} GiB"
+              + (f": above the device's {device.memory_bytes / 2**30:.1f} GiB at the upper end"
+                 if mem_high > device.memory_bytes else ""))
         print("  " + c.layout.toml(a.seq_len, a.global_batch_size, features).replace("\n", "\n  ") + "\n")
     for line in published_here(shape, device.name, a.devices, a.seq_len, a.global_batch_size, features,
                                result.ranked):
         print(line)
     return 0
+
+
+def _ratio_range(r: tuple[float, float]) -> str:
+    return f"{r[0]:.2f}-{r[1]:.2f}"
 
 
 if __name__ == "__main__":

@@ -25,12 +25,14 @@ from torchtitan.planning.published import (
     CORPUS,
     HELD_OUT,
     HELD_OUT_MEDIAN_ERROR,
+    HELD_OUT_MEMORY_RANGE,
     HELD_OUT_RATIO_RANGE,
     PUBLISHED,
     TIE,
     TRAINING,
     compare,
     fit_constants,
+    memory_interval,
     single_choice_pairs,
 )
 from torchtitan.planning.step_time import CP_RING_STEP_OVERHEAD, TRAINING_KERNEL_EFF, BlockShape, block_seconds
@@ -138,6 +140,11 @@ def test_held_out_runs_meet_the_issues_criteria():
     print(memory)
     assert len(memory) == 10
     assert {n for n, x in memory.items() if abs(x - 1) > 0.10} == HELD_OUT_MEMORY_MISSES
+    # the memory interval the planner prints comes from these ratios, split by whether the run pipelines
+    for pipelined, (lo, hi) in HELD_OUT_MEMORY_RANGE.items():
+        side = [x for r in HELD_OUT if r.memory_gib and (r.layout.pp > 1) == pipelined for x in [memory[r.name]]]
+        assert len(side) >= 3 and lo <= min(side) and max(side) <= hi
+        assert min(side) - lo < 0.01 and hi - max(side) < 0.01
 
 
 def test_the_heaviest_pipeline_rank_decides_whether_a_layout_fits():
@@ -268,11 +275,36 @@ def test_cli_prints_top_layouts_and_one_line_errors(capsys):
     # each layout carries the interval the held-out runs give, and the published run at this setting is placed
     assert "held-out predicted / published 0.86-1.14" in out and " tokens/s/device): " in out
     assert "published (T1 8B 8 GPUs FSDP; training): dp_shard 8" in out
+    # and the range of memory the held-out runs published beside such estimates
+    assert "peak memory estimated / published 0.95-1.07 without PP, 0.75-0.96 with" in out
+    assert out.count("  memory interval ") == 2
+
+
+def test_the_memory_interval_flags_a_layout_whose_upper_end_exceeds_the_device(capsys):
+    """A layout whose estimate fits but whose held-out memory interval reaches past the device's memory says
+    so; the interval is the estimate's allocator share over the held-out ratios (with or without PP), the CUDA
+    runtime added back; the headroom the header names keeps the upper ends of the layouts it keeps in memory."""
+    s, args = shape("8B"), (8, 8192, 16)
+    ranked = plan_layouts(s, H100, *args).ranked
+    intervals = [memory_interval(c.memory, c.layout.pp > 1) for c in ranked]
+    for c, (low, high) in zip(ranked, intervals):
+        lo, hi = HELD_OUT_MEMORY_RANGE[c.layout.pp > 1]
+        runtime = c.memory.peak - c.memory.allocator_reserved
+        assert (low, high) == pytest.approx((c.memory.allocator_reserved / hi + runtime,
+                                             c.memory.allocator_reserved / lo + runtime))
+    over = [i for i, (_, high) in enumerate(intervals[:3]) if high > H100.memory_bytes]
+    assert over and len(over) < 3  # among the first three, some reach past 74.5 GiB and some do not
     assert plan_main(["--flavor", "8B", "--devices", "8", "--seq-len", "8192", "--global-batch-size", "16",
-                      "--device-type", "H1OO"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "unknown device type 'H1OO'" in err
-    assert plan_main(["--flavor", "405B", "--devices", "8", "--seq-len", "8192", "--global-batch-size", "8"]) == 1
+                      "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    for i, (low, high) in enumerate(intervals[:3]):
+        line = f"  memory interval {low / 2**30:.1f}-{high / 2**30:.1f} GiB"
+        assert line + (": above the device's 74.5 GiB at the upper end\n" if i in over else "\n") in out
+    for pipelined in (False, True):
+        kept = plan_layouts(s, H100, *args, memory_headroom=1 - HELD_OUT_MEMORY_RANGE[pipelined][0]).ranked
+        side = [c for c in kept if (c.layout.pp > 1) == pipelined]
+        assert side and all(memory_interval(c.memory, pipelined)[1] <= H100.memory_bytes for c in side)
+
 
 
 def test_a_group_with_several_members_per_node_uses_their_nics():
