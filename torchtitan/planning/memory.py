@@ -60,7 +60,7 @@ import torch
 
 from torchtitan.components.loss import AUTO_CHUNK, auto_chunks
 from torchtitan.distributed.compile import compiles
-from torchtitan.planning.schedule_order import B, F, I, W, passes, schedule_order
+from torchtitan.planning.schedule_order import B, F, I, W, passes, schedule_order, splits_backward
 from torchtitan.protocols.model import LinearAttentionShape, MoEShape
 from torchtitan.tools.precision import DTYPE_NAMES, resolve_precision
 
@@ -552,8 +552,7 @@ def pp_moments(schedule: str, n_microbatches: int, pp: int, pp_rank: int, stages
         return ()
     shares = stage_shares or (1 / stages_per_rank,) * stages_per_rank
     # Without input/weight passes nothing is pending: one walk serves every pending weight.
-    split = any(p.computation_type in (I, W) for a in schedule_order(schedule, n_microbatches, pp, stages_per_rank)[0]
-                for p in passes(a))
+    split = splits_backward(schedule, n_microbatches, pp, stages_per_rank)
     return tuple(PPMoment(alive / stages_per_rank, sum(shares[i] for i in made), out, sent)
                  for alive, made, out, sent in _moments(schedule, n_microbatches, pp, stages_per_rank,
                                                         round(pending_weight, 3) if split else 0.0)[pp_rank])
@@ -615,7 +614,6 @@ def _undominated(groups: dict[tuple[frozenset, int], set[tuple[float, int]]]) ->
         for a, o in points:
             later[o] = max(a, later.get(o, a))
     return top
-
 
 
 def output_in_flight(moments: tuple[PPMoment, ...], stages_per_rank: int) -> float | None:

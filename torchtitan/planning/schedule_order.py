@@ -54,6 +54,14 @@ def passes(action: _Action) -> tuple[_Action, ...]:
 
 
 @functools.lru_cache(maxsize=None)
+def splits_backward(schedule: str, n_microbatches: int, pp: int, stages_per_rank: int) -> bool:
+    """Whether the played order has separate input- and weight-gradient passes (DualPipeV's too, which
+    SPLIT_BACKWARD, a statement about AC, leaves out)."""
+    return any(p.computation_type in (I, W) for a in schedule_order(schedule, n_microbatches, pp, stages_per_rank)[0]
+               for p in passes(a))
+
+
+@functools.lru_cache(maxsize=None)
 def bubble_fraction(schedule: str, n_microbatches: int, pp: int, stages_per_rank: int,
                     forward: float, input_grad: float, weight_grad: float) -> float:
     """The schedule's step time over its busiest rank's compute, minus 1, with stages of equal cost: a
