@@ -60,14 +60,14 @@ def main(argv: list[str]) -> int:
     from torchtitan.planning.memory import ModelShape
     from torchtitan.planning.memory_budget import OFFLOAD_BANDWIDTH_CUDA
     from torchtitan.planning.planner import Features, explain, parse_model_parallel, plan_layouts
-    from torchtitan.planning.published import (
+    from torchtitan.planning.held_out_error import (
         HELD_OUT_MEDIAN_ERROR,
         HELD_OUT_MEMORY_RANGE,
         HELD_OUT_RATIO_RANGE,
         interval,
-        memory_interval,
-        published_here,
+        memory_interval_line,
     )
+    from torchtitan.planning.published import published_here
     from torchtitan.protocols.model_shape import model_args_for
     from torchtitan.protocols.train_spec import get_train_spec
 
@@ -134,10 +134,7 @@ def main(argv: list[str]) -> int:
         low, high = interval(c.tokens_per_s_per_device)
         print(f"#{i} ({lead}; {low:,.0f}-{high:,.0f} tokens/s/device): "
               f"{explain(c, a.seq_len, a.global_batch_size, device)}")
-        mem_low, mem_high = memory_interval(c.memory, c.layout.pp > 1)
-        print(f"  memory interval {mem_low / 2**30:.1f}-{mem_high / 2**30:.1f} GiB"
-              + (f": above the device's {device.memory_bytes / 2**30:.1f} GiB at the upper end"
-                 if mem_high > device.memory_bytes else ""))
+        print("  " + memory_interval_line(c.memory, c.layout.pp > 1, device.memory_bytes))
         print("  " + c.layout.toml(a.seq_len, a.global_batch_size, features).replace("\n", "\n  ") + "\n")
     for line in published_here(shape, device.name, a.devices, a.seq_len, a.global_batch_size, features,
                                result.ranked):

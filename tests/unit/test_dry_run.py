@@ -132,6 +132,35 @@ def test_a_rank_that_does_not_fit_the_device_is_an_error(capsys):
         assert err.count("\n") == 1 and said in err, err
 
 
+def test_the_dry_run_prints_each_ranks_memory_interval_and_flags_an_upper_end_above_the_device():
+    """With --device-type, each rank's estimate comes with the interval the planner prints (where held-out
+    published peaks lay beside such estimates); a rank that fits but whose upper end does not is flagged there,
+    not made an error."""
+    import dataclasses
+
+    from torchtitan.planning.dry_run import format_report
+    from torchtitan.planning.hardware import get_device
+    from torchtitan.planning.held_out_error import HELD_OUT_MEMORY_RANGE, memory_interval
+
+    job = config_manager().parse_args(["--model.flavor", "debugmodel_tiny", "--training.seq_len", "8192",
+                                       "--training.local_batch_size", "8"])
+    assert dry_run(job, world_size=1).memory_intervals == {}  # no device: no GPU allocator to compare with
+    h100 = get_device("H100-80GB")
+    peak = dry_run(job, world_size=1, device=h100).ranks[0].memory.peak
+    # A device the estimate fits with 2% to spare: below the upper end (the estimate / 0.95 without PP).
+    assert HELD_OUT_MEMORY_RANGE[False][0] < 1 / 1.02
+    for memory, flagged in ((1.02 * peak, True), (2 * peak, False)):
+        report = dry_run(job, world_size=1, device=dataclasses.replace(h100, memory_bytes=memory))
+        assert report.errors == []
+        low, high = memory_interval(report.ranks[0].memory, pipelined=False)
+        assert low < report.ranks[0].memory.peak < high
+        line = report.memory_intervals[0]
+        assert line.startswith(f"memory interval {low / 2**30:.1f}-{high / 2**30:.1f} GiB")
+        assert ("above the device's" in line) == flagged
+        text = format_report(report)
+        assert text.index(line) > text.index("estimated peak memory of rank 0")
+
+
 def test_muon_optimizer_bytes_and_step_workspace_per_rank():
     """Muon keeps one momentum buffer per matrix (no step), AdamW's states for the rest; its step needs the
     gathered matrices the rank owns, which shrink with the world (owner_bytes' 1/N + largest)."""

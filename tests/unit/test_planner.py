@@ -21,18 +21,20 @@ from torchtitan.planning.step_time import (
     collective_time,
 )
 from torchtitan.planning.hardware import H100_500W_CLOCK_FRACTION
-from torchtitan.planning.published import (
-    CORPUS,
-    HELD_OUT,
+from torchtitan.planning.held_out_error import (
     HELD_OUT_MEDIAN_ERROR,
     HELD_OUT_MEMORY_RANGE,
     HELD_OUT_RATIO_RANGE,
+    memory_interval,
+)
+from torchtitan.planning.published import (
+    CORPUS,
+    HELD_OUT,
     PUBLISHED,
     TIE,
     TRAINING,
     compare,
     fit_constants,
-    memory_interval,
     single_choice_pairs,
 )
 from torchtitan.planning.step_time import CP_RING_STEP_OVERHEAD, TRAINING_KERNEL_EFF, BlockShape, block_seconds

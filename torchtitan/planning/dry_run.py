@@ -38,6 +38,7 @@ from torchtitan.errors import USER_ERRORS
 from torchtitan.job_plan import JobPlan, plan_job
 from torchtitan.planning.cp_comm import cp_comm_line
 from torchtitan.planning.hardware import Device, headroom_note, memory_limit
+from torchtitan.planning.held_out_error import memory_interval_line
 from torchtitan.planning.memory import (
     MUON_STEP_COMPONENT,
     MemoryEstimate,
@@ -104,6 +105,9 @@ class DryRunReport:
     """Models with several kinds of block (Qwen3.5): what one block of each kind keeps for backward."""
     memory_caveat: str | None = None
     """Where the job sits in a case the memory estimator is known not to model (said beside its figures)."""
+    memory_intervals: dict[int, str] = dataclasses.field(default_factory=dict)
+    """With a target device, per rank: where published peaks lay beside such estimates for the held-out runs
+    (planning/held_out_error.py), flagged when the upper end passes the device's memory."""
 
 
 def default_ranks(pp: int, world_size: int) -> list[int]:
@@ -348,8 +352,10 @@ def dry_run(
                 parts, stages = build_model_parts(plan, cfg)
                 r = rank_report(rank, plan, cfg, parts, stages, on_gpu=device is not None)
                 report.ranks.append(r)
-                if device is not None and r.memory is not None and r.memory.peak > memory_limit(device, memory_headroom):
-                    errors.append(_over_memory_line(r, device, memory_headroom))
+                if device is not None and r.memory is not None:
+                    report.memory_intervals[rank] = memory_interval_line(r.memory, pd.pp > 1, device.memory_bytes)
+                    if r.memory.peak > memory_limit(device, memory_headroom):
+                        errors.append(_over_memory_line(r, device, memory_headroom))
         except USER_ERRORS as e:
             line = f"rank {rank}: {_one_line(e)}"
             if line.split(": ", 1)[1] not in [x.split(": ", 1)[-1] for x in errors]:
@@ -407,6 +413,8 @@ def format_report(report: DryRunReport) -> str:
         for r in report.ranks:
             if r.memory is not None:
                 lines.append(f"estimated peak memory of rank {r.rank}:\n{r.memory.table()}")
+                if r.rank in report.memory_intervals:
+                    lines.append(f"  {report.memory_intervals[r.rank]}")
     if report.block_kinds:
         lines.append(report.block_kinds)
     if report.memory_caveat:

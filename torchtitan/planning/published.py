@@ -11,7 +11,7 @@ import dataclasses
 from torchtitan.distributed.parallel_dims import LayoutError
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.planning.hardware import FLAT_NETWORK, LLAMA3_RDMA_CLUSTER, Network, get_device
-from torchtitan.planning.memory import MemoryEstimate, ModelShape
+from torchtitan.planning.memory import ModelShape
 from torchtitan.planning.planner import (
     Candidate,
     Features,
@@ -25,7 +25,7 @@ from torchtitan.planning.planner import (
 
 TIE = 0.05
 """Layouts whose predicted step times differ by less than this fraction are a tie: below what the model
-resolves. The held-out median error is HELD_OUT_MEDIAN_ERROR; the ratios of published pairs that differ in
+resolves. The held-out median error is held_out_error.HELD_OUT_MEDIAN_ERROR; the ratios of published pairs that differ in
 one choice (single_choice_pairs) are predicted within ~6% (compile: x1.22 for x1.16 published)."""
 
 
@@ -460,34 +460,6 @@ def single_choice_pairs(runs=CORPUS) -> list[tuple[PublishedRun, PublishedRun, s
                 elif set(fields) <= {"dp_replicate", "dp_shard", "cp", "tp", "pp"}:
                     pairs.append((a, b, "layout"))
     return pairs
-
-
-HELD_OUT_RATIO_RANGE = (0.86, 1.14)
-"""Predicted / published tokens/s over HELD_OUT, rounded outward to 0.01 (tests/unit/test_planner.py checks it
-against the corpus): a prediction P stands for a published figure in [P / 1.14, P / 0.86]."""
-HELD_OUT_MEDIAN_ERROR = 0.05
-"""Median |predicted / published - 1| over HELD_OUT, rounded up (checked by the same test)."""
-
-
-HELD_OUT_MEMORY_RANGE = {False: (0.95, 1.07), True: (0.75, 0.96)}
-"""Estimated / published peak memory (the allocator's reserved bytes, what torchtitan logs) over the HELD_OUT
-runs that publish it, without and with PP, rounded outward to 0.01 (checked by the same test): 7 runs without
-PP; 3 with, all 405B at PP 8 x TP 8, the family whose first stage the estimator reads low (docs/planning.md,
-"Cases it still misses"), so a PP estimate stands for up to a third more."""
-
-
-def memory_interval(memory: MemoryEstimate, pipelined: bool) -> tuple[float, float]:
-    """Where the published peak of a layout with this estimate lay for the held-out runs
-    (HELD_OUT_MEMORY_RANGE), in bytes with the CUDA runtime's share (outside the allocator) added back."""
-    lo, hi = HELD_OUT_MEMORY_RANGE[pipelined]
-    runtime = memory.peak - memory.allocator_reserved
-    return memory.allocator_reserved / hi + runtime, memory.allocator_reserved / lo + runtime
-
-
-def interval(tokens_per_s: float) -> tuple[float, float]:
-    """Where the published figure of a prediction lay for the held-out runs (HELD_OUT_RATIO_RANGE)."""
-    lo, hi = HELD_OUT_RATIO_RANGE
-    return tokens_per_s / hi, tokens_per_s / lo
 
 
 def _feature_key(f: Features) -> tuple:
