@@ -107,7 +107,7 @@ class ModelShape:
         step-time planner does not)."""
         return self.gated_attention or self.linear is not None or self.moe is not None
 
-    @property
+    @functools.cached_property
     def kinds(self) -> dict[str, int]:
         """Block kind -> how many blocks of it."""
         n_linear = self.linear.layers if self.linear else 0
@@ -133,7 +133,7 @@ class ModelShape:
             mixer = 2 * d * q + 2 * d * self.kv_dim
         return mixer + self._ffn_params() + 2 * d
 
-    @property
+    @functools.cached_property
     def block_params(self) -> int:
         """Parameters of one block (a hybrid model's: the average over its blocks)."""
         kinds = self.kinds
@@ -351,16 +351,22 @@ def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> Mem
     """The rank's peak, by component. With `work.pp_moments`, the largest over those moments of the step."""
     if not work.pp_moments or work.block_activation_bytes is not None:
         return _estimate(shape, state, work, grad_share=1.0)
-    return max((_estimate(shape, state, dataclasses.replace(work, in_flight=m.in_flight, out_in_flight=m.out_in_flight,
-                                                            pp_sends_held=m.sends_held), m.grad_share)
+    # The moment's three figures are passed beside `work` rather than by dataclasses.replace: the planner
+    # estimates some 10^5 moments for a large cluster, and copying RankWork was a third of that time.
+    return max((_estimate(shape, state, work, m.grad_share, m.in_flight, m.out_in_flight, m.sends_held)
                 for m in work.pp_moments), key=lambda e: e.peak)
 
 
-def _estimate(shape: ModelShape, state: StateBytes, work: RankWork, grad_share: float) -> MemoryEstimate:
-    """The peak with `work.in_flight` microbatches alive and `grad_share` of the gradients that accumulate over
-    several microbatches made (1 without PP moments; the loss's temporaries, on the last stage, are counted
+def _estimate(shape: ModelShape, state: StateBytes, work: RankWork, grad_share: float,
+              in_flight: float | None = None, out_in_flight: float | None = None,
+              sends_held: float | None = None) -> MemoryEstimate:
+    """The peak with `in_flight` microbatches alive (default `work.in_flight`; `out_in_flight` and `sends_held`
+    likewise stand for the RankWork fields of a PP moment) and `grad_share` of the gradients that accumulate
+    over several microbatches made (1 without PP moments; the loss's temporaries, on the last stage, are counted
     at every moment: an upper bound)."""
     w = work
+    if in_flight is None:
+        in_flight, out_in_flight, sends_held = w.in_flight, w.out_in_flight, w.pp_sends_held
     live_grads = int(state.grads * grad_share)
     tokens = w.tokens_per_microbatch / w.cp
     vocab_local = shape.vocab / w.tp
@@ -383,10 +389,10 @@ def _estimate(shape: ModelShape, state: StateBytes, work: RankWork, grad_share: 
     # backward, then under split backward their gradient, the same size, until the weight pass).
     output_side = (2 * shape.dim * w.act_bytes / w.tp + (0 if chunked or fused_loss else 4 * vocab_local)
                    + vocab_local * w.act_bytes) if w.holds_output else 0
-    out_in_flight = w.in_flight if w.out_in_flight is None else w.out_in_flight
-    activations = int(tokens * ((blocks + outside) * w.in_flight + output_side * out_in_flight))
+    out_in_flight = in_flight if out_in_flight is None else out_in_flight
+    activations = int(tokens * ((blocks + outside) * in_flight + output_side * out_in_flight))
     if w.block_activation_bytes is not None:
-        activations = w.block_activation_bytes + int(tokens * (outside * w.in_flight + output_side * out_in_flight))
+        activations = w.block_activation_bytes + int(tokens * (outside * in_flight + output_side * out_in_flight))
     # When backward starts, beside the logits (counted above): the fp32 gradient of the log-probabilities and
     # the fp32 gradient of the logits, each over the (local) vocabulary.
     # Chunked: the gradient buffer the logits get (in their dtype), and one chunk's fp32 upcast and fp32
@@ -413,7 +419,7 @@ def _estimate(shape: ModelShape, state: StateBytes, work: RankWork, grad_share: 
         "FSDP gather/reduce buffers": fsdp_buffers,
         # Sequence-parallel (1/tp) boundary activations; the stage inputs in flight are among them.
         "PP receive buffers": int(w.pp_recv_buffers * tokens * shape.dim / w.tp * w.act_bytes),
-        "PP sends held (until the step ends)": int(w.pp_sends_held * tokens * shape.dim / w.tp * w.act_bytes),
+        "PP sends held (until the step ends)": int(sends_held * tokens * shape.dim / w.tp * w.act_bytes),
     }
     logits_bytes = int(tokens * vocab_local * w.act_bytes)  # one microbatch's output of the last stage
     # Inside a block's backward the loss is done and the microbatch's logits are freed (the forward cache hands
@@ -555,44 +561,49 @@ def pp_moments(schedule: str, n_microbatches: int, pp: int, pp_rank: int, stages
     split = splits_backward(schedule, n_microbatches, pp, stages_per_rank)
     return tuple(PPMoment(alive / stages_per_rank, sum(shares[i] for i in made), out, sent)
                  for alive, made, out, sent in _moments(schedule, n_microbatches, pp, stages_per_rank,
-                                                        round(pending_weight, 3) if split else 0.0)[pp_rank])
+                                                        round(pending_weight, 3) if split else 0.0, pp_rank))
 
 
-@functools.lru_cache(maxsize=1024)
-def _moments(schedule: str, n_microbatches: int, pp: int, stages_per_rank: int, pending_weight: float) -> tuple:
-    """Per pp rank, its undominated moments: (activations alive, local stages whose gradients exist, microbatches
+@functools.lru_cache(maxsize=256)
+def _stage_ranks(schedule: str, n_microbatches: int, pp: int, stages_per_rank: int) -> dict[int, int]:
+    """Stage index -> the pp rank torch's order runs it on."""
+    order = schedule_order(schedule, n_microbatches, pp, stages_per_rank)
+    return {p.stage_index: r for r in range(pp) for a in order[r] for p in passes(a)}
+
+
+@functools.lru_cache(maxsize=4096)
+def _moments(schedule: str, n_microbatches: int, pp: int, stages_per_rank: int, pending_weight: float,
+             rank: int) -> tuple:
+    """A pp rank's undominated moments: (activations alive, local stages whose gradients exist, microbatches
     of the last stage alive - from its forward to its full or weight-gradient pass - when the rank holds it,
     sent tensors held - torch's multi-stage runtime waits for its sends when the step ends: each forward of a
     stage whose next stage is on another rank, each full or input-gradient pass of a stage whose previous
-    one is)."""
+    one is). Per rank: the planner asks for three ranks of a pipeline (the first, the busiest, the last)."""
     order = schedule_order(schedule, n_microbatches, pp, stages_per_rank)
     change = {F: (1, 0), B: (-1, 0), I: (0, 1), W: (-1, -1)}
     last = pp * stages_per_rank - 1
-    rank_of = {p.stage_index: r for r in range(pp) for a in order[r] for p in passes(a)}
-    per_rank = []
-    for rank in range(pp):
-        local = sorted({p.stage_index for a in order[rank] for p in passes(a)})
-        alive = pending = out = sent = 0
-        made: frozenset[int] = frozenset()
-        # (made, sent) only grow through the walk, so its moments fall into groups, one per state of the two,
-        # ordered in time; a later group's state is at least an earlier one's in both.
-        groups: dict[tuple[frozenset, int], set[tuple[float, int]]] = {}
-        for action in order[rank]:
-            for sub in passes(action):
-                s, kind = sub.stage_index, sub.computation_type
-                if kind in (B, W) and local.index(s) not in made:
-                    made = made | {local.index(s)}
-                groups.setdefault((made, sent), set()).add((alive + pending_weight * pending, out))
-                d_alive, d_pending = change.get(kind, (0, 0))
-                alive, pending = alive + d_alive, pending + d_pending
-                if s == last:
-                    out += d_alive
-                if (kind == F and s != last and rank_of[s + 1] != rank) or (
-                        kind in (B, I) and s != 0 and rank_of[s - 1] != rank):
-                    sent += 1
-                groups.setdefault((made, sent), set()).add((alive + pending_weight * pending, out))
-        per_rank.append(tuple(sorted(_undominated(groups), key=lambda m: (m[0], sorted(m[1]), m[2], m[3]))))
-    return tuple(per_rank)
+    rank_of = _stage_ranks(schedule, n_microbatches, pp, stages_per_rank)
+    local = sorted({p.stage_index for a in order[rank] for p in passes(a)})
+    alive = pending = out = sent = 0
+    made: frozenset[int] = frozenset()
+    # (made, sent) only grow through the walk, so its moments fall into groups, one per state of the two,
+    # ordered in time; a later group's state is at least an earlier one's in both.
+    groups: dict[tuple[frozenset, int], set[tuple[float, int]]] = {}
+    for action in order[rank]:
+        for sub in passes(action):
+            s, kind = sub.stage_index, sub.computation_type
+            if kind in (B, W) and local.index(s) not in made:
+                made = made | {local.index(s)}
+            groups.setdefault((made, sent), set()).add((alive + pending_weight * pending, out))
+            d_alive, d_pending = change.get(kind, (0, 0))
+            alive, pending = alive + d_alive, pending + d_pending
+            if s == last:
+                out += d_alive
+            if (kind == F and s != last and rank_of[s + 1] != rank) or (
+                    kind in (B, I) and s != 0 and rank_of[s - 1] != rank):
+                sent += 1
+            groups.setdefault((made, sent), set()).add((alive + pending_weight * pending, out))
+    return tuple(sorted(_undominated(groups), key=lambda m: (m[0], sorted(m[1]), m[2], m[3])))
 
 
 def _undominated(groups: dict[tuple[frozenset, int], set[tuple[float, int]]]) -> list[tuple]:
