@@ -4,9 +4,11 @@ pipeline stages and every validation error, without any device.
     python -m torchtitan.dry_run --world-size 512 [--ranks 0,64] [--device-type H100-80GB [--memory-headroom 0.1]] \
         --job.config_file recipe.toml [--section.key value ...]
 
---device-type adds the GPU's allocator and runtime overheads to the memory estimate and reports a rank
-that would not fit as an error (the device table: torchtitan/planning/hardware.py); --memory-headroom keeps
-that fraction of its memory free, as the planner's option does.
+--device-type adds the GPU's allocator and runtime overheads to the memory estimate, prints under each rank's
+estimate the interval where published peaks lay beside such estimates (the planner's; flagged when its upper
+end passes the device's memory) and reports a rank that would not fit as an error (the device table:
+torchtitan/planning/hardware.py); --memory-headroom keeps that fraction of its memory free, as the planner's
+option does.
 
 Exits 1 when the job has a validation error, 2 on a bad command line. See docs/planning.md.
 """
