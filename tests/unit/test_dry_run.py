@@ -218,3 +218,38 @@ def test_split_backward_with_full_ac_says_the_estimate_does_not_model_it():
     assert line and "ZBVZeroBubble with full AC" in line and "1F1B" in line
     assert caveat("--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble") is None
     assert caveat("--parallelism.pipeline_parallel_schedule", "1F1B", *full) is None
+
+
+def test_a_split_backward_weight_pass_recomputes_a_checkpointed_block_once_per_weight():
+    """What the caveat says of the weight pass, counted on torch's own split backward: a middle stage of two
+    Llama blocks under the trainer's full AC runs each block's forward once in the input pass and then once per
+    weight (9) in the weight pass, because stage_backward_weight differentiates each parameter group in its own
+    autograd call and the non-reentrant checkpoint recomputes once per call. If torch changes this, the count
+    (and the caveat) must change."""
+    import torch
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from torchtitan.config.job_config import ActivationCheckpoint
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+    from torchtitan.models.llama3 import llama3_flavors
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    args = llama3_flavors["debugmodel_tiny"]
+    torch.manual_seed(0)
+    model = get_train_spec("llama3").model_cls(args)
+    model.init_weights()
+    model.tok_embeddings = None  # a stage whose input is hidden states that need a gradient
+    forwards = []
+    for name, block in model.layers.items():
+        block.register_forward_pre_hook(lambda m, a, name=name: forwards.append(name))
+    apply_ac(model, ActivationCheckpoint(mode="full"))
+    x = torch.randn(2, 16, args.dim, requires_grad=True)
+    out = model(x)
+    assert len(forwards) == len(model.layers) == 2
+    forwards.clear()
+    _, groups = stage_backward_input([out], [torch.randn_like(out)], [x], model.parameters())
+    assert sorted(forwards) == ["0", "1"]  # the input pass: one recomputation per block
+    forwards.clear()
+    stage_backward_weight(model.parameters(), groups)
+    weights = len(list(model.layers["0"].parameters()))
+    assert weights == 9 and sorted(forwards) == ["0"] * weights + ["1"] * weights

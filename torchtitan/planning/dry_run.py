@@ -367,13 +367,17 @@ def dry_run(
 def memory_caveat_line(cfg: JobConfig, pd) -> str | None:
     """A split-backward schedule with recomputing AC: the input pass recomputes each block and what it rebuilt
     waits for the weight pass, for a time the estimate does not model (CPU, docs/planning.md: it read 0.66 and
-    0.78 of the measured peak). None for every other job."""
+    0.78 of the measured peak), and the weight pass recomputes each block once per weight (torch's
+    stage_backward_weight runs one autograd call per parameter group; tests/unit/test_dry_run.py counts them).
+    None for every other job."""
     schedule, ac = cfg.parallelism.pipeline_parallel_schedule, ac_key(cfg.activation_checkpoint)
     if pd.pp == 1 or schedule not in SPLIT_BACKWARD or not (ac == "full" or ac.isdigit()):
         return None
     return (f"memory caveat: {schedule} with {ac} AC recomputes each block in the input pass and keeps what it "
             "rebuilt until the weight pass, which the estimates above do not model (measured on CPU: they read "
-            "0.66-0.78 of the peak); measure it, or use 1F1B or Interleaved1F1B with full AC")
+            "0.66-0.78 of the peak), and its weight pass recomputes each block once more per weight (torch "
+            "differentiates each weight in its own autograd call, and the checkpoint recomputes per call: 9 "
+            "forwards per Llama block); measure it, or use 1F1B or Interleaved1F1B with full AC")
 
 
 def block_kinds_line(cfg: JobConfig, plan: JobPlan) -> str | None:

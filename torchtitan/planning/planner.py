@@ -530,7 +530,7 @@ def enumerate_layouts(shape: ModelShape, devices: int, seq_len: int, global_batc
                         else:
                             for schedule in SCHEDULES:
                                 if schedule in SPLIT_BACKWARD and ac != "none":
-                                    continue  # op AC cannot run with them; full AC's memory is not modelled
+                                    continue  # op AC cannot run with them; full AC re-runs each block per weight
                                 # Looped: 2 stages per rank by default, or more (smaller bubble, more sends);
                                 # V-shaped: 2.
                                 looped = schedule in ("Interleaved1F1B", "InterleavedZeroBubble")
