@@ -40,6 +40,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import compiles
 from torchtitan.distributed.compile_auto import remember_compiled
 from torchtitan.distributed.context_parallel import shard_batch
+from torchtitan.distributed.pipeline import split_backward_recompute
 from torchtitan.errors import TrainingError
 from torchtitan.eval.runner import Evaluator
 from torchtitan.job_plan import plan_job
@@ -118,6 +119,9 @@ class Trainer(ModelRuntime):
         self.compile_choice = plan.compile_choice
         if self.rank == 0:
             logger.info(self.compile_choice.reason)
+            if plan.pipeline_plan is not None and (
+                    slow := split_backward_recompute(plan.pipeline_plan.schedule, cfg.activation_checkpoint)):
+                logger.warning(slow)
         # loss, pipeline stages or parallelize, converters' post-parallelize hooks, weights, autocast
         self.build_model(plan, seed)
 

@@ -220,6 +220,25 @@ def test_split_backward_with_full_ac_says_the_estimate_does_not_model_it():
     assert caveat("--parallelism.pipeline_parallel_schedule", "1F1B", *full) is None
 
 
+def test_the_slow_split_backward_pairs_are_named_once_for_the_trainer_and_the_dry_run():
+    """split_backward_recompute: the line the trainer logs at start (and the dry run's caveat carries) for a
+    split-backward schedule under AC that recomputes whole blocks; nothing for other schedules or AC modes."""
+    from torchtitan.config.job_config import ActivationCheckpoint as AC
+    from torchtitan.distributed.pipeline import SPLIT_BACKWARD, split_backward_recompute
+
+    for schedule in SPLIT_BACKWARD:
+        for ac in (AC(mode="full"), AC(mode="selective", selective_ac_option="2")):
+            line = split_backward_recompute(schedule, ac)
+            assert line and line.startswith(schedule) and "once per weight" in line and "\n" not in line
+    for schedule, ac in (("ZBVZeroBubble", AC()), ("1F1B", AC(mode="full")), ("Interleaved1F1B", AC(mode="full")),
+                         ("GPipe", AC(mode="selective", selective_ac_option="2"))):
+        assert split_backward_recompute(schedule, ac) is None
+    c = cfg("--model.flavor", "debugmodel_tiny4", "--parallelism.pipeline_parallel_degree", "2",
+            "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_microbatch_size", "1",
+            "--parallelism.pipeline_parallel_schedule", "InterleavedZeroBubble", "--activation_checkpoint.mode", "full")
+    assert split_backward_recompute("InterleavedZeroBubble", AC(mode="full")) in dry_run(c, 2, ranks=[0]).memory_caveat
+
+
 def test_a_split_backward_weight_pass_recomputes_a_checkpointed_block_once_per_weight():
     """What the caveat says of the weight pass, counted on torch's own split backward: a middle stage of two
     Llama blocks under the trainer's full AC runs each block's forward once in the input pass and then once per

@@ -436,6 +436,21 @@ def check_pipeline(plan: PipelinePlan, parallel_dims, job_config) -> None:
         )
 
 
+def split_backward_recompute(schedule: str, ac) -> str | None:
+    """A split-backward schedule with AC that recomputes whole blocks (full, or every k-th block): its weight
+    pass recomputes each checkpointed block once per weight, because torch's stage_backward_weight runs one
+    autograd call per parameter group and the non-reentrant checkpoint recomputes once per call (counted in
+    tests/unit/test_dry_run.py). It runs, slowly: the line the trainer logs at start and the dry run prints;
+    None for every other pair."""
+    whole_blocks = ac.mode == "full" or (ac.mode == "selective" and ac.selective_ac_option.isdigit())
+    if schedule not in SPLIT_BACKWARD or not whole_blocks:
+        return None
+    mode = "full" if ac.mode == "full" else f"selective {ac.selective_ac_option}"
+    return (f"{schedule} with {mode} AC: its weight pass recomputes each checkpointed block once per weight (a "
+            f"Llama block: 9 more forwards per microbatch, beside the input pass's one), priced by no estimate; "
+            f"use 1F1B or Interleaved1F1B with full AC, or {schedule} without AC")
+
+
 def plan_model_pipeline(model: nn.Module, parallel_dims, job_config) -> PipelinePlan:
     """The checked pipeline plan of a (meta) model that follows the model protocol."""
     order = module_order(model, model.pipeline_head, model.pipeline_tail)

@@ -35,6 +35,7 @@ from torchtitan.components.optim.muon import default_is_muon_param, ns_dtype_for
 from torchtitan.components.optim.muon_distributed import owner_bytes
 from torchtitan.config import JobConfig
 from torchtitan.errors import USER_ERRORS
+from torchtitan.distributed.pipeline import split_backward_recompute
 from torchtitan.job_plan import JobPlan, plan_job
 from torchtitan.planning.cp_comm import cp_comm_line
 from torchtitan.planning.hardware import Device, headroom_note, memory_limit
@@ -50,7 +51,6 @@ from torchtitan.planning.memory import (
     rank_work,
 )
 from torchtitan.planning.memory_budget import BudgetPlan, plan_budget
-from torchtitan.planning.schedule_order import SPLIT_BACKWARD
 from torchtitan.protocols.model_shape import base_model_args
 from torchtitan.protocols.train_spec import get_train_spec
 
@@ -370,14 +370,13 @@ def memory_caveat_line(cfg: JobConfig, pd) -> str | None:
     0.78 of the measured peak), and the weight pass recomputes each block once per weight (torch's
     stage_backward_weight runs one autograd call per parameter group; tests/unit/test_dry_run.py counts them).
     None for every other job."""
-    schedule, ac = cfg.parallelism.pipeline_parallel_schedule, ac_key(cfg.activation_checkpoint)
-    if pd.pp == 1 or schedule not in SPLIT_BACKWARD or not (ac == "full" or ac.isdigit()):
+    schedule = cfg.parallelism.pipeline_parallel_schedule
+    recompute = split_backward_recompute(schedule, cfg.activation_checkpoint) if pd.pp > 1 else None
+    if recompute is None:
         return None
-    return (f"memory caveat: {schedule} with {ac} AC recomputes each block in the input pass and keeps what it "
-            "rebuilt until the weight pass, which the estimates above do not model (measured on CPU: they read "
-            "0.66-0.78 of the peak), and its weight pass recomputes each block once more per weight (torch "
-            "differentiates each weight in its own autograd call, and the checkpoint recomputes per call: 9 "
-            "forwards per Llama block); measure it, or use 1F1B or Interleaved1F1B with full AC")
+    return (f"memory caveat: {schedule} with {ac_key(cfg.activation_checkpoint)} AC recomputes each block in the "
+            "input pass and keeps what it rebuilt until the weight pass, which the estimates above do not model "
+            f"(measured on CPU: they read 0.66-0.78 of the peak); measure it. Time: {recompute}")
 
 
 def block_kinds_line(cfg: JobConfig, plan: JobPlan) -> str | None:
