@@ -3,10 +3,11 @@ of the played orders against the closed forms, and the planner weighing the zero
 
 import pytest
 
+from torchtitan.distributed.pipeline import SPLIT_BACKWARD
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.planning.hardware import get_device
 from torchtitan.planning.memory import ModelShape
-from torchtitan.planning.planner import SPLIT_BACKWARD, plan_layouts
+from torchtitan.planning.planner import plan_layouts
 from torchtitan.planning.schedule_order import bubble_fraction, schedule_order
 
 

@@ -34,8 +34,8 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.optim.muon import default_is_muon_param, ns_dtype_for
 from torchtitan.components.optim.muon_distributed import owner_bytes
 from torchtitan.config import JobConfig
-from torchtitan.errors import USER_ERRORS
 from torchtitan.distributed.pipeline import split_backward_recompute
+from torchtitan.errors import USER_ERRORS
 from torchtitan.job_plan import JobPlan, plan_job
 from torchtitan.planning.cp_comm import cp_comm_line
 from torchtitan.planning.hardware import Device, headroom_note, memory_limit

@@ -350,23 +350,20 @@ MUON_STEP_COMPONENT = "Muon step (beyond backward)"
 def estimate_memory(shape: ModelShape, state: StateBytes, work: RankWork) -> MemoryEstimate:
     """The rank's peak, by component. With `work.pp_moments`, the largest over those moments of the step."""
     if not work.pp_moments or work.block_activation_bytes is not None:
-        return _estimate(shape, state, work, grad_share=1.0)
+        return _estimate(shape, state, work, 1.0, work.in_flight, work.out_in_flight, work.pp_sends_held)
     # The moment's three figures are passed beside `work` rather than by dataclasses.replace: the planner
     # estimates some 10^5 moments for a large cluster, and copying RankWork was a third of that time.
     return max((_estimate(shape, state, work, m.grad_share, m.in_flight, m.out_in_flight, m.sends_held)
                 for m in work.pp_moments), key=lambda e: e.peak)
 
 
-def _estimate(shape: ModelShape, state: StateBytes, work: RankWork, grad_share: float,
-              in_flight: float | None = None, out_in_flight: float | None = None,
-              sends_held: float | None = None) -> MemoryEstimate:
-    """The peak with `in_flight` microbatches alive (default `work.in_flight`; `out_in_flight` and `sends_held`
-    likewise stand for the RankWork fields of a PP moment) and `grad_share` of the gradients that accumulate
-    over several microbatches made (1 without PP moments; the loss's temporaries, on the last stage, are counted
-    at every moment: an upper bound)."""
+def _estimate(shape: ModelShape, state: StateBytes, work: RankWork, grad_share: float, in_flight: float,
+              out_in_flight: float | None, sends_held: float) -> MemoryEstimate:
+    """The peak with `in_flight` microbatches alive (`out_in_flight` and `sends_held` as the RankWork fields of
+    those names: the work's own, or a PP moment's) and `grad_share` of the gradients that accumulate over
+    several microbatches made (1 without PP moments; the loss's temporaries, on the last stage, are counted at
+    every moment: an upper bound)."""
     w = work
-    if in_flight is None:
-        in_flight, out_in_flight, sends_held = w.in_flight, w.out_in_flight, w.pp_sends_held
     live_grads = int(state.grads * grad_share)
     tokens = w.tokens_per_microbatch / w.cp
     vocab_local = shape.vocab / w.tp

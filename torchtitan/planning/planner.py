@@ -12,7 +12,7 @@ import math
 
 from torchtitan.config.job_config import Parallelism
 from torchtitan.distributed.parallel_dims import LayoutError, ParallelDims
-from torchtitan.distributed.pipeline import plan_pipeline
+from torchtitan.distributed.pipeline import SPLIT_BACKWARD, plan_pipeline
 from torchtitan.planning.cp_comm import cp_block_time, cp_options
 from torchtitan.planning.hardware import FLAT_NETWORK, Device, Network, headroom_note, memory_limit
 from torchtitan.planning.memory import (
@@ -37,7 +37,7 @@ from torchtitan.planning.memory_budget import (
     plan_memory,
     solve,
 )
-from torchtitan.planning.schedule_order import SPLIT_BACKWARD, bubble_fraction
+from torchtitan.planning.schedule_order import bubble_fraction
 from torchtitan.planning.step_time import DEFAULT_MFU
 from torchtitan.planning.step_time import (
     ASYNC_TP_HIDDEN,

@@ -25,8 +25,8 @@ from torchtitan.planning.planner import (
 
 TIE = 0.05
 """Layouts whose predicted step times differ by less than this fraction are a tie: below what the model
-resolves. The held-out median error is held_out_error.HELD_OUT_MEDIAN_ERROR; the ratios of published pairs that differ in
-one choice (single_choice_pairs) are predicted within ~6% (compile: x1.22 for x1.16 published)."""
+resolves. The held-out median error is held_out_error.HELD_OUT_MEDIAN_ERROR; the ratios of published pairs that
+differ in one choice (single_choice_pairs) are predicted within ~6% (compile: x1.22 for x1.16 published)."""
 
 
 @dataclasses.dataclass(frozen=True)

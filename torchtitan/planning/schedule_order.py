@@ -15,10 +15,6 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 F, B, I, W = (_ComputationType.FORWARD, _ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_INPUT,
               _ComputationType.BACKWARD_WEIGHT)
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
-SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble")
-"""Schedules whose backward is an input pass and a later weight pass, with AC neither op-selective (torch
-cannot run them together) nor, in the memory estimator, full (its recomputation waiting for the weight pass is
-not modelled)."""
 
 
 class _Placeholder(_PipelineStageBase):
@@ -55,8 +51,8 @@ def passes(action: _Action) -> tuple[_Action, ...]:
 
 @functools.lru_cache(maxsize=None)
 def splits_backward(schedule: str, n_microbatches: int, pp: int, stages_per_rank: int) -> bool:
-    """Whether the played order has separate input- and weight-gradient passes (DualPipeV's too, which
-    SPLIT_BACKWARD, a statement about AC, leaves out)."""
+    """Whether the played order has separate input- and weight-gradient passes (from torch's order itself,
+    rather than a list of schedule names)."""
     return any(p.computation_type in (I, W) for a in schedule_order(schedule, n_microbatches, pp, stages_per_rank)[0]
                for p in passes(a))
 
